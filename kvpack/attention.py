@@ -1,0 +1,104 @@
+"""kvpack's attention function, registered with transformers' ``AttentionInterface`` as ``"kvpack"``.
+
+A ``PackedLayer`` (see ``kvpack.cache``) returns keys that carry a reference to the layer; for those keys this
+function builds each KV head's visibility from the entries' original RoPE positions:
+
+    visible[h, i, j] = pos[h, j] >= 0  and  pos[h, j] <= qpos[i]  (and qpos[i] - pos[h, j] < window when sliding)
+
+(``pos = -1`` marks padding of shorter heads), so every head attends only to its kept entries plus the new tokens.
+For any other keys it is exactly transformers' SDPA attention, so a model switched to ``"kvpack"`` behaves as
+before with ordinary caches.
+
+While KVzip scores (arXiv 2505.23416 §3.2, Eq. 2) the layer also carries a score buffer: the function then
+computes the softmax explicitly, in query blocks, and folds ``max`` over queries and over the query heads of each
+GQA group into the buffer (shape ``[kv_heads, kept_entries]``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .errors import UnsupportedModelError
+
+__all__ = ["ATTN_IMPLEMENTATION", "register", "use_kvpack_attention", "masked_attention", "QUERY_BLOCK"]
+
+ATTN_IMPLEMENTATION = "kvpack"
+#: Queries processed at once when attention probabilities are materialised (bounds memory while scoring).
+QUERY_BLOCK = 256
+_registered = False
+
+
+def masked_attention(query, key, value, visible, scaling, scores=None, query_block: int = QUERY_BLOCK):
+    """Attention with a per-KV-head visibility mask.
+
+    Args:
+        query: ``[1, heads, q, head_dim]``.
+        key, value: ``[1, kv_heads, kv, head_dim]``; ``heads`` is a multiple of ``kv_heads`` (GQA).
+        visible: ``[kv_heads, q, kv]`` bool; every query row must see at least one entry.
+        scaling: softmax temperature applied to ``q . k``.
+        scores: optional ``[kv_heads, n]`` float32 buffer (``n <= kv``); if given, updated in place with
+            ``max`` over queries and GQA group of the attention probabilities of the first ``n`` entries.
+
+    Returns:
+        ``[1, q, heads, head_dim_v]`` attention output (the layout transformers expects).
+    """
+    b, heads, q_len, _ = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    if scores is None:
+        mask = visible.repeat_interleave(group, dim=0).unsqueeze(0)  # [1, heads, q, kv]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous()
+    n = scores.shape[1]
+    k = key[0].float()  # [kv_heads, kv, d]
+    v = value[0].float()
+    outs = []
+    for s in range(0, q_len, query_block):
+        qb = query[0, :, s : s + query_block].float().view(kv_heads, group, -1, query.shape[-1])
+        logits = torch.einsum("hgqd,hkd->hgqk", qb, k) * scaling
+        logits.masked_fill_(~visible[:, None, s : s + query_block], float("-inf"))
+        probs = logits.softmax(dim=-1)  # [kv_heads, group, qb, kv]
+        torch.maximum(scores, probs[..., :n].amax(dim=(1, 2)), out=scores)
+        outs.append(torch.einsum("hgqk,hkd->hgqd", probs, v).reshape(heads, -1, v.shape[-1]))
+    out = torch.cat(outs, dim=1).to(query.dtype)  # [heads, q, d]
+    return out.unsqueeze(0).transpose(1, 2).contiguous()
+
+
+def kvpack_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                             **kwargs):
+    """The function registered as ``"kvpack"``; signature of transformers' attention interface."""
+    layer = getattr(key, "_kvpack_layer", None)
+    if layer is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise UnsupportedModelError("attention soft-capping and attention sinks are not supported by kvpack")
+    if query.shape[0] != 1:
+        raise UnsupportedModelError("a kvpack cache serves one sequence at a time (batch size 1)")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    visible = layer.visibility(query.shape[2], kwargs.get("sliding_window"))
+    return masked_attention(query, key, value, visible, scaling, scores=layer.scores), None
+
+
+def register() -> None:
+    """Register ``"kvpack"`` with transformers' attention and mask interfaces (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, kvpack_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    _registered = True
+
+
+def use_kvpack_attention(model) -> None:
+    """Switch ``model`` to the ``"kvpack"`` attention (SDPA-equivalent for ordinary caches)."""
+    register()
+    if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)

@@ -1,0 +1,99 @@
+"""``kvpack.compress``: prefill a context once, score its KV entries, keep the best, return a ``Pack``."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable
+
+import torch
+
+from . import __version__
+from .errors import InputError
+from .fingerprint import model_fingerprint
+from .layout import chat_layout
+from .methods import get_method
+from .methods.base import gather, select_global
+from .model import model_spec
+from .pack import Pack
+from .prefill import prefill
+
+__all__ = ["compress", "DEFAULT_RATIO", "DEFAULT_CHUNK_SIZE"]
+
+DEFAULT_RATIO = 0.3
+DEFAULT_CHUNK_SIZE = 2048
+
+
+def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float = DEFAULT_RATIO,
+             chunk_size: int = DEFAULT_CHUNK_SIZE, source_name: str = "<text>",
+             progress: Callable[[int], None] | None = None, **options) -> Pack:
+    """Compress the KV cache of ``text`` for ``model`` (query-agnostic: any later question can be asked).
+
+    The text is laid out as the start of a chat user turn (``kvpack.layout``); the template prefix is the
+    attention sink, kept in every head. The context is prefilled in chunks of ``chunk_size`` tokens, each
+    full-attention layer's entries are scored by ``method``, and the top ``round(ratio x entries)`` context
+    entries over all layers x KV heads x positions are kept (per-head budgets; KVzip, arXiv 2505.23416 §3.3).
+
+    Args:
+        model, tokenizer: from ``kvpack.load_model`` or transformers.
+        text: the context (a document), non-empty.
+        method: a name from ``kvpack.methods.METHODS``.
+        ratio: compression ratio = fraction of context KV entries kept, in (0, 1]; 1.0 keeps everything.
+        chunk_size: tokens per prefill and scoring chunk (bounds memory).
+        source_name: recorded in the pack (the file name for ``kvpack build``).
+        progress: called with the number of context tokens processed, per stage.
+        **options: the method's parameters (see its class docstring).
+
+    Returns:
+        A ``Pack`` (in memory); ``kvpack.save`` writes it.
+
+    Raises:
+        InputError: empty text, ratio outside (0, 1], chunk_size < 1, unknown method or option.
+        UnsupportedModelError: the model's architecture is not supported.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise InputError(f"{source_name}: the context is empty; give a non-empty text")
+    if not (isinstance(ratio, (int, float)) and 0.0 < ratio <= 1.0):
+        raise InputError(f"ratio must be in (0, 1] (the fraction of KV entries kept), got {ratio!r}")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise InputError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}")
+    if method == "kvzip":
+        options.setdefault("chunk_size", chunk_size)
+    scorer = get_method(method, **options)
+    spec = model_spec(model)
+    layout = chat_layout(tokenizer)
+    prefix_ids = layout.prefix_ids(tokenizer)
+    context_ids = layout.encode(tokenizer, text)
+    if not context_ids:
+        raise InputError(f"{source_name}: the context has no tokens")
+    token_ids = prefix_ids + context_ids
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos and len(token_ids) + 256 > max_pos:
+        raise InputError(f"{source_name}: {len(token_ids)} tokens is too long for this model "
+                         f"(max_position_embeddings={max_pos}, leaving 256 for questions); split the document")
+    if spec.sliding_window and not spec.sliding_layers and len(token_ids) >= spec.sliding_window:
+        raise InputError(f"{source_name}: {len(token_ids)} tokens exceed the model's {spec.sliding_window}-token "
+                         "sliding window, which every layer uses; split the document")
+    full = prefill(model, token_ids, len(prefix_ids), layout, spec, chunk_size, progress)
+    if ratio >= 1.0:
+        keep = torch.ones(len(spec.compressed_layers), spec.num_kv_heads, full.context_tokens, dtype=torch.bool)
+    else:
+        scores = scorer.score(model, tokenizer, full, progress)
+        keep = select_global(scores, ratio)
+    layers = gather(full, keep)
+    kv_dtype = layers[0].keys.dtype
+    metadata = {
+        "method": scorer.name,
+        "method_params": scorer.params(),
+        "ratio": float(ratio),
+        "fingerprint": model_fingerprint(model, tokenizer, kv_dtype),
+        "source": {"name": source_name, "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+                   "chars": len(text)},
+        "layout": layout.to_dict(),
+        "layer_kinds": ["sliding_intact" if l in spec.sliding_layers else "compressed"
+                        for l in range(spec.num_layers)],
+        "kvpack_version": __version__,
+        "stats": {"context_tokens": full.context_tokens, "sink_tokens": full.sink,
+                  "context_entries": int(keep.numel()), "context_entries_kept": int(keep.sum())},
+    }
+    return Pack(token_ids=torch.tensor(token_ids, dtype=torch.int64), layers=layers, sink_tokens=full.sink,
+                metadata=metadata)

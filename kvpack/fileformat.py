@@ -1,0 +1,600 @@
+"""Read and write ``.kvpack`` v1 files: a canonical, checksummed safetensors container (spec: ``format/SPEC.md``).
+
+Writing is deterministic (the same ``Pack`` always gives the same bytes). Reading validates every length, offset,
+shape and checksum before any tensor is handed out, and every failure is a ``PackFormatError`` subclass (or
+``InputError`` for a path that cannot be read) whose message names the file, the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import secrets
+import stat
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+
+from kvpack import constants as C
+from kvpack.errors import (
+    ChecksumMismatchError,
+    CorruptFileError,
+    InputError,
+    NotAKvpackFileError,
+    TruncatedFileError,
+    UnsupportedVersionError,
+)
+from kvpack.pack import LayerEntries, Pack
+
+__all__ = ["TensorInfo", "PackHeader", "pack_to_bytes", "save", "load_pack", "read_header", "verify"]
+
+Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]
+
+_REBUILD = "rebuild it with `kvpack build`"
+_RECOPY = f"copy it again or {_REBUILD}"
+_UPGRADE = "upgrade kvpack (`pip install -U kvpack`)"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# public types
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One entry of the tensor index.
+
+    Attributes:
+        dtype: dtype code, one of ``constants.DTYPE_BY_CODE`` (``"F32"``, ``"BF16"``, ``"I32"``, ...).
+        shape: tensor shape.
+        offsets: ``(begin, end)`` byte offsets into the data buffer (which starts right after the header).
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    offsets: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor's data in bytes."""
+        return self.offsets[1] - self.offsets[0]
+
+
+@dataclass
+class PackHeader:
+    """The validated header of a ``.kvpack`` file (what ``read_header`` and ``verify`` return).
+
+    Attributes:
+        format_version: the file's format version (an int, 1 for every file this code writes).
+        metadata: the kvpack metadata: ``Pack.metadata`` plus ``"sink_tokens"``.
+        tensors: tensor name -> ``TensorInfo``, in data order.
+        header_bytes: bytes before the data buffer (8-byte length prefix + padded JSON header).
+        file_bytes: size of the whole file in bytes.
+    """
+
+    format_version: int
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+    header_bytes: int
+    file_bytes: int
+
+    @property
+    def num_layers(self) -> int:
+        """Number of model layers stored."""
+        return self.tensors[C.HEAD_LENGTHS].shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        """Number of KV heads per layer."""
+        return self.tensors[C.HEAD_LENGTHS].shape[1]
+
+    @property
+    def tokens(self) -> int:
+        """Length of the original cached sequence in tokens."""
+        return self.tensors[C.TOKEN_IDS].shape[0]
+
+    def bytes_by_section(self) -> dict[str, int]:
+        """Bytes per section: ``header``, ``token_ids``, ``head_lengths``, ``keys``, ``values``, ``positions``.
+
+        Layer tensors are summed over layers by part. The values add up to ``file_bytes``.
+        """
+        out = dict.fromkeys(C.SECTIONS, 0)
+        out[C.SECTION_HEADER] = self.header_bytes
+        for name, info in self.tensors.items():
+            out[name.rsplit(".", 1)[-1]] += info.nbytes
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# writing
+
+
+def pack_to_bytes(pack: Pack) -> bytes:
+    """Serialise ``pack`` to the bytes of a ``.kvpack`` v1 file (deterministic: same pack, same bytes).
+
+    ``token_ids``, ``head_lengths`` and ``positions`` are stored as int32; keys and values keep their dtype
+    (float32, float16 or bfloat16). Tuples in ``pack.metadata`` come back as lists.
+
+    Raises:
+        InputError: the pack is inconsistent (see ``load_pack`` for the rules), has a dtype the format cannot
+            hold, or its metadata is not plain JSON (or already has a ``sink_tokens`` key).
+    """
+    problem = _pack_problem(pack)
+    if problem is None and not isinstance(pack.metadata, dict):
+        problem = "pack.metadata must be a dict"
+    if problem is None and C.SINK_TOKENS_KEY in pack.metadata:
+        problem = f"pack.metadata must not contain {C.SINK_TOKENS_KEY!r} (it is written from pack.sink_tokens)"
+    if problem is not None:
+        raise InputError(f"cannot write this pack: {problem}")
+    try:
+        kvpack_json = json.dumps({**pack.metadata, C.SINK_TOKENS_KEY: pack.sink_tokens}, **C.JSON_DUMPS_KWARGS)
+    except (TypeError, ValueError) as exc:
+        raise InputError(
+            f"cannot write this pack: pack.metadata is not plain JSON ({exc}); use only dicts with string keys, "
+            "lists, strings, finite numbers, booleans and None"
+        ) from exc
+
+    i32 = C.DTYPE_BY_CODE[C.INDEX_INT_CODE]
+    tensors = {C.TOKEN_IDS: pack.token_ids.to(i32), C.HEAD_LENGTHS: pack.head_lengths().to(i32)}
+    for l, layer in enumerate(pack.layers):
+        tensors[C.layer_tensor_name(l, C.KEYS)] = layer.keys
+        tensors[C.layer_tensor_name(l, C.VALUES)] = layer.values
+        tensors[C.layer_tensor_name(l, C.POSITIONS)] = layer.positions.to(i32)
+
+    blobs, index, end = [], {}, 0
+    for name in sorted(tensors, key=lambda n: (-tensors[n].dtype.itemsize, n)):
+        t = tensors[name].detach().cpu().contiguous()
+        blob = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        index[name] = {
+            C.INDEX_DTYPE: C.CODE_BY_DTYPE[t.dtype],
+            C.INDEX_SHAPE: list(t.shape),
+            C.INDEX_OFFSETS: [end, end + len(blob)],
+        }
+        blobs.append((name, blob))
+        end += len(blob)
+
+    meta = {
+        C.META_FORMAT: C.FORMAT_NAME,
+        C.META_FORMAT_VERSION: str(C.FORMAT_VERSION),
+        C.META_KVPACK: kvpack_json,
+        C.META_TENSOR_SHA256: json.dumps({n: _sha256(b) for n, b in blobs}, **C.JSON_DUMPS_KWARGS),
+    }
+    header = {C.METADATA_KEY: meta, **index}
+    meta[C.META_HEADER_SHA256] = _sha256(_canonical(header))
+    text = _padded(_canonical(header))
+    if not text.startswith(C.MAGIC):
+        raise RuntimeError("internal error: a __metadata__ key sorts before 'format', so the header lost its magic")
+    return len(text).to_bytes(C.LENGTH_PREFIX_BYTES, "little") + text + b"".join(b for _, b in blobs)
+
+
+def save(pack: Pack, path: str | os.PathLike) -> int:
+    """Write ``pack`` to ``path`` atomically and return the number of bytes written.
+
+    The bytes go to ``<path>.tmp.<pid>.<random>`` in the same folder, are flushed and fsynced, and the temporary
+    file is then renamed over ``path`` with ``os.replace``. On any error the temporary file is removed and an
+    existing ``path`` is left untouched.
+
+    Raises:
+        InputError: the pack cannot be written (see ``pack_to_bytes``) or the file cannot be created
+            (missing folder, no permission, disk full).
+    """
+    data = pack_to_bytes(pack)
+    try:
+        target = os.fspath(path)
+    except TypeError as exc:
+        raise InputError(f"cannot save to {path!r}: expected a file path") from exc
+    tmp = f"{target}{C.TEMP_INFIX}{os.getpid()}.{secrets.token_hex(4)}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    except OSError as exc:
+        raise InputError(f"cannot save {target}: {exc.strerror or exc}; check that the folder exists and is writable") from exc
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException as exc:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            raise InputError(f"cannot save {target}: {exc.strerror or exc}; check the disk space and permissions") from exc
+        raise
+    _fsync_folder(os.path.dirname(os.path.abspath(target)))
+    return len(data)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reading
+
+
+def read_header(source: Source) -> PackHeader:
+    """Read and validate the header of a ``.kvpack`` file (a path or the file's bytes) without reading the data.
+
+    Checks everything except the tensor checksums and the tensor values: sizes, magic, version, the tensor index
+    (dtypes, shapes, offsets, layout), the tensor set, the header checksum and the kvpack metadata.
+
+    Raises:
+        InputError: the path cannot be read.
+        TruncatedFileError, NotAKvpackFileError, CorruptFileError, ChecksumMismatchError (header),
+        UnsupportedVersionError: see ``load_pack``.
+    """
+    return _parse_header(_Source(source))[0]
+
+
+def verify(source: Source) -> PackHeader:
+    """Check everything ``load_pack`` checks, raising on the first problem; return the header. Errors as ``load_pack``."""
+    return _load(source)[0]
+
+
+def load_pack(source: Source) -> Pack:
+    """Read a ``.kvpack`` file (a path or its bytes) into a ``Pack`` after validating all of it.
+
+    Returned tensors are fresh copies: ``token_ids`` int64 ``[tokens]``; per layer ``keys`` ``[entries, head_dim]``
+    and ``values`` ``[entries, head_dim_v]`` in the stored dtype, ``positions`` int32 ``[entries]``,
+    ``head_lengths`` int64 ``[kv_heads]``.
+
+    Raises:
+        InputError: the path cannot be read (missing, a folder, no permission).
+        TruncatedFileError: the file is shorter than its header says (cut inside the header or the data).
+        NotAKvpackFileError: no kvpack magic: some other file.
+        CorruptFileError: malformed or inconsistent header, index, layout, metadata or tensor contents
+            (head lengths, positions), or trailing bytes.
+        ChecksumMismatchError: the header or a tensor does not match its SHA-256.
+        UnsupportedVersionError: the file's format version is newer than this kvpack reads.
+    """
+    return _load(source)[1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# internals
+
+
+class _Source:
+    """A file path or an in-memory file, read by byte range."""
+
+    def __init__(self, source: Source):
+        self._data: bytes | None = None
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            self._data = bytes(source)
+            self.name, self.size = "kvpack data (in memory)", len(self._data)
+            return
+        try:
+            self.path = os.fspath(source)
+        except TypeError as exc:
+            raise InputError(f"cannot read {source!r}: expected a file path or bytes") from exc
+        self.name = self.path
+        try:
+            st = os.stat(self.path)
+        except OSError as exc:
+            raise InputError(f"cannot read {self.path}: {exc.strerror or exc}; check the path") from exc
+        if not stat.S_ISREG(st.st_mode):
+            raise InputError(f"cannot read {self.path}: not a regular file; give the path of a .kvpack file")
+        self.size = st.st_size
+
+    def read(self, start: int, n: int) -> bytes:
+        """Exactly ``n`` bytes from ``start`` (the caller has checked the range against ``size``)."""
+        if self._data is not None:
+            return self._data[start : start + n]
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(start)
+                data = f.read(n)
+        except OSError as exc:
+            raise InputError(f"cannot read {self.path}: {exc.strerror or exc}; check the path") from exc
+        if len(data) != n:
+            raise TruncatedFileError(f"{self.path}: the file became shorter while being read; {_RECOPY}")
+        return data
+
+
+def _load(source: Source) -> tuple[PackHeader, Pack]:
+    """Validate a whole file and build its Pack."""
+    src = _Source(source)
+    header, sums = _parse_header(src)
+    data = memoryview(src.read(header.header_bytes, header.file_bytes - header.header_bytes))
+    for name, info in header.tensors.items():
+        b, e = info.offsets
+        if _sha256(data[b:e]) != sums[name]:
+            section = name.rsplit(".", 1)[-1]
+            raise ChecksumMismatchError(
+                f"{src.name}: section {section!r} (tensor {name!r}) does not match its SHA-256: "
+                f"the file was altered or damaged; {_RECOPY}"
+            )
+    t = {name: _tensor(data, info) for name, info in header.tensors.items()}
+    meta = dict(header.metadata)
+    sink = meta.pop(C.SINK_TOKENS_KEY)
+    layers = [
+        LayerEntries(
+            keys=t[C.layer_tensor_name(l, C.KEYS)],
+            values=t[C.layer_tensor_name(l, C.VALUES)],
+            positions=t[C.layer_tensor_name(l, C.POSITIONS)],
+            head_lengths=t[C.HEAD_LENGTHS][l].to(torch.int64),
+        )
+        for l in range(header.num_layers)
+    ]
+    pack = Pack(token_ids=t[C.TOKEN_IDS].to(torch.int64), layers=layers, sink_tokens=sink, metadata=meta)
+    problem = _pack_problem(pack)
+    if problem is not None:
+        raise CorruptFileError(f"{src.name}: {problem}; {_REBUILD}")
+    return header, pack
+
+
+def _tensor(data: memoryview, info: TensorInfo) -> torch.Tensor:
+    """A fresh tensor from the data-buffer range of ``info``."""
+    dtype = C.DTYPE_BY_CODE[info.dtype]
+    if info.nbytes == 0:
+        return torch.empty(info.shape, dtype=dtype)
+    b, e = info.offsets
+    return torch.frombuffer(bytearray(data[b:e]), dtype=dtype).reshape(info.shape)
+
+
+def _parse_header(src: _Source) -> tuple[PackHeader, dict[str, str]]:
+    """Validate everything up to the tensor data; return the header and the tensor checksums."""
+    name, size = src.name, src.size
+
+    def corrupt(problem: str) -> CorruptFileError:
+        return CorruptFileError(f"{name}: {problem}; {_REBUILD}")
+
+    # 1. sizes and magic
+    if size < C.LENGTH_PREFIX_BYTES:
+        what = "is empty" if size == 0 else f"is only {size} bytes long"
+        raise TruncatedFileError(f"{name} {what}, too short for a kvpack file; {_RECOPY}")
+    n = int.from_bytes(src.read(0, C.LENGTH_PREFIX_BYTES), "little")
+    avail = min(len(C.MAGIC), n, size - C.LENGTH_PREFIX_BYTES)
+    if n < len(C.MAGIC) or src.read(C.MAGIC_OFFSET, avail) != C.MAGIC[:avail]:
+        raise NotAKvpackFileError(
+            f"{name} is not a kvpack file (no kvpack magic at byte {C.MAGIC_OFFSET}); check the path, "
+            "or make a .kvpack file with `kvpack build`"
+        )
+    if n > C.MAX_HEADER_BYTES:
+        raise corrupt(f"the header length {n} exceeds the {C.MAX_HEADER_BYTES}-byte limit")
+    if n > size - C.LENGTH_PREFIX_BYTES:
+        raise TruncatedFileError(
+            f"{name} is cut inside its header ({n}-byte header declared, {size - C.LENGTH_PREFIX_BYTES} bytes "
+            f"present); {_RECOPY}"
+        )
+    if n % C.HEADER_ALIGNMENT:
+        raise corrupt(f"the header length {n} is not a multiple of {C.HEADER_ALIGNMENT}")
+
+    # 2. JSON object, format, version
+    raw = src.read(C.LENGTH_PREFIX_BYTES, n)
+    try:
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise corrupt(f"the header is not valid JSON ({_short(exc)})") from None
+    if not isinstance(obj, dict):
+        raise corrupt("the header is not a JSON object")
+    meta = obj.get(C.METADATA_KEY)
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise corrupt(f"{C.METADATA_KEY!r} is missing or not a string-to-string map")
+    if meta.get(C.META_FORMAT) != C.FORMAT_NAME:
+        raise corrupt(f"{C.META_FORMAT!r} is {str(meta.get(C.META_FORMAT))[:20]!r}, not {C.FORMAT_NAME!r}")
+    v = meta.get(C.META_FORMAT_VERSION, "")
+    if not (v.isascii() and v.isdigit()) or v.startswith("0") or len(v) > 18:
+        raise corrupt(f"{C.META_FORMAT_VERSION!r} is {v[:20]!r}, not a positive integer")
+    version = int(v)
+    if version > C.MAX_READABLE_VERSION:
+        raise UnsupportedVersionError(
+            f"{name} uses kvpack file format version {version}, but this kvpack reads versions up to "
+            f"{C.MAX_READABLE_VERSION}; {_UPGRADE}"
+        )
+    missing = [k for k in C.METADATA_KEYS if k not in meta]
+    if missing:
+        raise corrupt(f"{C.METADATA_KEY!r} lacks {missing[0]!r}")
+
+    # 3. tensor index entries and their layout in the data buffer
+    tensors: dict[str, TensorInfo] = {}
+    for tname, entry in obj.items():
+        if tname == C.METADATA_KEY:
+            continue
+        problem = _entry_problem(entry)
+        if problem is not None:
+            raise corrupt(f"tensor {tname[:80]!r}: {problem}")
+        tensors[tname] = TensorInfo(entry[C.INDEX_DTYPE], tuple(entry[C.INDEX_SHAPE]), tuple(entry[C.INDEX_OFFSETS]))
+    order = sorted(tensors, key=lambda t: (-C.DTYPE_BY_CODE[tensors[t].dtype].itemsize, t))
+    end = 0
+    for tname in order:
+        info = tensors[tname]
+        want = (end, end + math.prod(info.shape) * C.DTYPE_BY_CODE[info.dtype].itemsize)
+        if info.offsets != want:
+            raise corrupt(
+                f"tensor {tname[:80]!r} has data_offsets {list(info.offsets)}, but the layout rule "
+                f"(contiguous, by descending itemsize then name) puts it at {list(want)}"
+            )
+        end = want[1]
+    tensors = {t: tensors[t] for t in order}
+    data_len = size - C.LENGTH_PREFIX_BYTES - n
+    if end > data_len:
+        raise TruncatedFileError(f"{name} is cut inside its data ({end} bytes declared, {data_len} present); {_RECOPY}")
+    if end < data_len:
+        raise corrupt(f"{data_len - end} unexpected bytes follow the last tensor")
+    problem = _index_problem(tensors)
+    if problem is not None:
+        raise corrupt(problem)
+
+    # 4. canonical bytes and the header checksum
+    if raw != _padded(_canonical(obj)):
+        raise corrupt("the header is not in canonical form (sorted keys, compact, ASCII, space padding)")
+    stored = meta[C.META_HEADER_SHA256]
+    unsigned = {**obj, C.METADATA_KEY: {k: x for k, x in meta.items() if k != C.META_HEADER_SHA256}}
+    if not _is_sha256(stored):
+        raise corrupt(f"{C.META_HEADER_SHA256!r} is not a lowercase hex SHA-256")
+    if _sha256(_canonical(unsigned)) != stored:
+        raise ChecksumMismatchError(
+            f"{name}: section 'header' does not match its SHA-256: the file was altered or damaged; {_RECOPY}"
+        )
+
+    # 5. kvpack metadata and tensor checksums
+    try:
+        kv = json.loads(meta[C.META_KVPACK], object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        sums = json.loads(meta[C.META_TENSOR_SHA256], object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise corrupt(f"a JSON string in {C.METADATA_KEY!r} does not parse ({_short(exc)})") from None
+    if not isinstance(kv, dict):
+        raise corrupt(f"{C.META_KVPACK!r} is not a JSON object")
+    sink = kv.get(C.SINK_TOKENS_KEY)
+    if type(sink) is not int or sink < 0:
+        raise corrupt(f"{C.SINK_TOKENS_KEY!r} is missing or not a non-negative integer")
+    if not isinstance(sums, dict) or set(sums) != set(tensors) or not all(map(_is_sha256, sums.values())):
+        raise corrupt(f"{C.META_TENSOR_SHA256!r} must map exactly the tensor names to lowercase hex SHA-256s")
+    header = PackHeader(version, kv, tensors, C.LENGTH_PREFIX_BYTES + n, size)
+    return header, sums
+
+
+def _entry_problem(entry: Any) -> str | None:
+    """Why a tensor index entry is malformed, or None."""
+    if not isinstance(entry, dict) or set(entry) != set(C.INDEX_KEYS):
+        return f"the index entry must be an object with exactly the keys {list(C.INDEX_KEYS)}"
+    dtype, shape, offsets = entry[C.INDEX_DTYPE], entry[C.INDEX_SHAPE], entry[C.INDEX_OFFSETS]
+    if dtype not in C.DTYPE_BY_CODE:
+        return f"unknown dtype {str(dtype)[:20]!r} (known: {sorted(C.DTYPE_BY_CODE)})"
+    if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d <= C.INT32_MAX for d in shape):
+        return f"the shape must be a list of integers in [0, {C.INT32_MAX}]"
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) and o >= 0 for o in offsets):
+        return "data_offsets must be two non-negative integers"
+    if offsets[1] - offsets[0] != math.prod(shape) * C.DTYPE_BY_CODE[dtype].itemsize:
+        return f"data_offsets {offsets} do not span shape x itemsize bytes"
+    return None
+
+
+def _index_problem(tensors: dict[str, TensorInfo]) -> str | None:
+    """Why the set of tensors, their dtypes or shapes do not describe a pack, or None."""
+
+    def bad(tname: str, codes: tuple[str, ...], ndim: int) -> str | None:
+        info = tensors.get(tname)
+        if info is None:
+            return f"tensor {tname!r} is missing"
+        if info.dtype not in codes or len(info.shape) != ndim:
+            return f"tensor {tname!r} must be {'/'.join(codes)} with {ndim} dimensions, not {info.dtype} {list(info.shape)}"
+        return None
+
+    ints = (C.INDEX_INT_CODE,)
+    problem = bad(C.TOKEN_IDS, ints, 1) or bad(C.HEAD_LENGTHS, ints, 2)
+    if problem:
+        return problem
+    layers, heads = tensors[C.HEAD_LENGTHS].shape
+    if layers < 1 or heads < 1:
+        return f"{C.HEAD_LENGTHS!r} has shape {[layers, heads]}; at least one layer and one KV head are needed"
+    expected = {C.TOKEN_IDS, C.HEAD_LENGTHS} | {C.layer_tensor_name(l, p) for l in range(layers) for p in C.LAYER_PARTS}
+    extra = sorted(set(tensors) - expected)
+    if extra:
+        return f"unexpected tensor {extra[0][:80]!r} for a {layers}-layer pack"
+    dims = None
+    for l in range(layers):
+        k, v, p = (C.layer_tensor_name(l, part) for part in C.LAYER_PARTS)
+        problem = bad(k, C.FLOAT_CODES, 2) or bad(v, C.FLOAT_CODES, 2) or bad(p, ints, 1)
+        if problem:
+            return problem
+        entries = tensors[k].shape[0]
+        if tensors[v].shape[0] != entries or tensors[p].shape[0] != entries:
+            return f"layer {l}: keys, values and positions have different row counts"
+        if dims is None:
+            dims = (tensors[k].shape[1], tensors[v].shape[1])
+        if (tensors[k].shape[1], tensors[v].shape[1]) != dims or min(dims) < 1:
+            return f"layer {l}: head_dim/head_dim_v differ from layer 0's {list(dims)} or are 0"
+    return None
+
+
+def _pack_problem(pack: Any) -> str | None:
+    """Why ``pack`` is not a consistent Pack, or None. Shared by the writer (InputError) and reader (CorruptFileError)."""
+    if not isinstance(pack, Pack):
+        return f"expected a kvpack Pack, got {type(pack).__name__}"
+    t = pack.token_ids
+    if not _is_int_tensor(t) or t.dim() != 1:
+        return "token_ids must be a 1-D integer tensor"
+    tokens = t.shape[0]
+    if tokens and (int(t.min()) < 0 or int(t.max()) > C.INT32_MAX):
+        return f"token ids must lie in [0, {C.INT32_MAX}]"
+    if type(pack.sink_tokens) is not int or not 0 <= pack.sink_tokens <= tokens:
+        return f"sink_tokens must be an integer in [0, {tokens}] (the number of tokens)"
+    if not isinstance(pack.layers, (list, tuple)) or not pack.layers:
+        return "a pack needs at least one layer"
+    dims = None
+    for l, layer in enumerate(pack.layers):
+        if not isinstance(layer, LayerEntries):
+            return f"layer {l} is not a LayerEntries"
+        k, v, p, hl = layer.keys, layer.values, layer.positions, layer.head_lengths
+        for what, x in (("keys", k), ("values", v)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 2 or C.CODE_BY_DTYPE.get(x.dtype) not in C.FLOAT_CODES:
+                return f"layer {l}: {what} must be a 2-D float32, float16 or bfloat16 tensor"
+        if not _is_int_tensor(p) or p.dim() != 1 or not _is_int_tensor(hl) or hl.dim() != 1:
+            return f"layer {l}: positions and head_lengths must be 1-D integer tensors"
+        if dims is None:
+            dims = (hl.shape[0], k.shape[1], v.shape[1])
+        if (hl.shape[0], k.shape[1], v.shape[1]) != dims or min(dims) < 1:
+            return f"layer {l}: kv_heads/head_dim/head_dim_v {[hl.shape[0], k.shape[1], v.shape[1]]} differ from layer 0's {list(dims)} or are 0"
+        n = k.shape[0]
+        if v.shape[0] != n or p.shape[0] != n:
+            return f"layer {l}: keys, values and positions have {n}, {v.shape[0]} and {p.shape[0]} rows"
+        if int(hl.min()) < 0 or int(hl.to(torch.int64).sum()) != n:
+            return f"layer {l}: head_lengths {hl.tolist()[:16]} must be non-negative and sum to the {n} entries"
+        if n:
+            p = p.to(torch.int64)
+            if int(p.min()) < 0 or int(p.max()) >= tokens:
+                return f"layer {l}: positions must lie in [0, {tokens})"
+            hl = hl.to(torch.int64)
+            starts = (torch.cumsum(hl, 0) - hl)[hl > 0]
+            head_start = torch.zeros(n, dtype=torch.bool)
+            head_start[starts] = True
+            if bool(((p[1:] <= p[:-1]) & ~head_start[1:]).any()):
+                return f"layer {l}: positions must be strictly increasing within each head"
+    return None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_int_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and not (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool)
+
+
+def _is_sha256(x: Any) -> bool:
+    return isinstance(x, str) and len(x) == C.SHA256_HEX_LENGTH and all(c in "0123456789abcdef" for c in x)
+
+
+def _sha256(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, **C.JSON_DUMPS_KWARGS).encode("ascii")
+
+
+def _padded(text: bytes) -> bytes:
+    return text + C.HEADER_PAD_BYTE * (-len(text) % C.HEADER_ALIGNMENT)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k[:80]!r}")
+        out[k] = v
+    return out
+
+
+def _no_constant(token: str) -> Any:
+    raise ValueError(f"{token} is not allowed")
+
+
+def _short(exc: BaseException) -> str:
+    return str(exc)[:200] or type(exc).__name__
+
+
+def _fsync_folder(folder: str) -> None:
+    """Best effort: make the rename durable (POSIX only)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

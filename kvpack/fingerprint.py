@@ -1,0 +1,108 @@
+"""Model fingerprints: what a pack records about the model it was built with, and the check on load."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import torch
+
+from .errors import ModelMismatchError
+from .model import model_spec
+
+__all__ = ["model_fingerprint", "tokenizer_sha256", "weights_sha256", "check_fingerprint"]
+
+#: Fingerprint fields that may differ between the building and the loading model (the KV is cast on load).
+_INFORMATIVE = ("dtype", "name")
+
+_SAMPLES_PER_TENSOR = 64
+
+
+def tokenizer_sha256(tokenizer) -> str:
+    """SHA-256 (hex) of the tokenizer's vocabulary, special tokens and chat template."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    payload = {
+        "vocab": vocab,
+        "special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+        "chat_template": getattr(tokenizer, "chat_template", None) or "",
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+@torch.no_grad()
+def weights_sha256(model) -> str:
+    """A cheap SHA-256 (hex) of the weights: names, shapes and 64 evenly spaced values of every tensor.
+
+    Values are rounded to bfloat16 before hashing, so a model loaded in float32 or bfloat16 (or float16 from a
+    bfloat16 checkpoint) gives the same hash. Cost: one small gather per tensor (milliseconds).
+    """
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        h.update(f"{name}:{tuple(tensor.shape)};".encode())
+        if flat.numel() == 0 or not flat.is_floating_point():
+            continue
+        idx = torch.linspace(0, flat.numel() - 1, min(_SAMPLES_PER_TENSOR, flat.numel())).long()
+        sample = flat[idx.to(flat.device)].to(torch.bfloat16).view(torch.int16).cpu().numpy()
+        h.update(sample.tobytes())
+    return h.hexdigest()
+
+
+def model_fingerprint(model, tokenizer, kv_dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """Everything that must match for a pack to be valid in a model: a JSON-serialisable dict.
+
+    Fields: ``architecture`` (class name), ``model_type``, ``num_layers``, ``num_heads``, ``num_kv_heads``,
+    ``head_dim``, ``rope`` (the config's RoPE type, theta and scaling), ``sliding_layers``, ``sliding_window``,
+    ``vocab_size``, ``tokenizer_sha256``, ``weights_sha256``; informative only: ``dtype`` of the stored KV and
+    ``name`` (the path or id the model was loaded from).
+    """
+    spec = model_spec(model)
+    cfg = model.config
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    rope = {k: v for k, v in dict(rope).items() if isinstance(v, (int, float, str, bool, list, type(None)))}
+    return {
+        "architecture": type(model).__name__,
+        "model_type": cfg.model_type,
+        "num_layers": spec.num_layers,
+        "num_heads": spec.num_heads,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "rope": json.loads(json.dumps(rope, sort_keys=True)),
+        "sliding_layers": list(spec.sliding_layers),
+        "sliding_window": spec.sliding_window,
+        "vocab_size": int(cfg.vocab_size),
+        "tokenizer_sha256": tokenizer_sha256(tokenizer) if tokenizer is not None else None,
+        "weights_sha256": weights_sha256(model),
+        "dtype": str(kv_dtype or model.dtype).replace("torch.", ""),
+        "name": getattr(model, "kvpack_name", None) or getattr(cfg, "_name_or_path", "") or "",
+    }
+
+
+def _describe(fp: dict[str, Any]) -> str:
+    return (
+        f"{fp.get('name') or '?'} ({fp.get('architecture')}, {fp.get('num_layers')} layers, "
+        f"{fp.get('num_heads')}/{fp.get('num_kv_heads')} heads, weights {str(fp.get('weights_sha256'))[:12]})"
+    )
+
+
+def check_fingerprint(stored: dict[str, Any], current: dict[str, Any], *, path: str = "the pack") -> None:
+    """Raise ``ModelMismatchError`` naming both models if ``stored`` and ``current`` differ in any required field.
+
+    The tokenizer is compared only when both fingerprints carry its hash.
+    """
+    diffs = []
+    for key in sorted(set(stored) | set(current)):
+        if key in _INFORMATIVE:
+            continue
+        a, b = stored.get(key), current.get(key)
+        if key == "tokenizer_sha256" and (a is None or b is None):
+            continue
+        if a != b:
+            diffs.append(key)
+    if diffs:
+        raise ModelMismatchError(
+            f"{path} was built for model {_describe(stored)} but the model given is {_describe(current)}; "
+            f"they differ in: {', '.join(diffs)}. Load it with the model it was built for, or rebuild it with "
+            "`kvpack build --model ...`"
+        )

@@ -1,0 +1,74 @@
+"""KVzip: query-agnostic scoring by context reconstruction (Kim et al., arXiv 2505.23416, §3.2-3.3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+
+from .. import tasks
+from ..attention import use_kvpack_attention
+from ..prefill import Prefill
+from .base import Method
+
+__all__ = ["KVzip"]
+
+
+@dataclass
+class KVzip(Method):
+    """Score each cached entry by how much the model needs it to repeat the context.
+
+    For each chunk of ``chunk_size`` context tokens the model is teacher-forced on a repeat input, fed after the
+    whole context but attending only to [sink, the chunk's cached entries, the repeat input itself (causal)]:
+
+        "Repeat the previous context exactly." + assistant header + the chunk's tokens          (first chunk)
+        "Repeat the part of the previous context exactly, starting with " + last 8 tokens of
+        the previous chunk + assistant header + the chunk's tokens                               (later chunks)
+
+    The score of entry (layer, KV head, position) is the maximum attention probability it receives over the
+    repeat input's queries and the query heads of its GQA group (arXiv 2505.23416, Eq. 2). The repeat input is
+    never added to the cache. The largest attention matrix is ``[heads, 256 queries, sink + 2 x chunk]``, so
+    memory grows linearly with the context.
+
+    Parameters:
+        chunk_size: context tokens scored per reconstruction pass (paper: 2048).
+        tail_tokens: tokens of the previous chunk quoted in later repeat prompts (paper: 8).
+    """
+
+    name: ClassVar[str] = "kvzip"
+    chunk_size: int = 2048
+    tail_tokens: int = 8
+
+    @torch.inference_mode()
+    def score(self, model, tokenizer, prefill: Prefill, progress: Callable[[int], None] | None = None
+              ) -> torch.Tensor:
+        use_kvpack_attention(model)
+        spec, layout = prefill.spec, prefill.layout
+        n_ctx = prefill.context_tokens
+        device = prefill.keys[0].device
+        scores = torch.zeros(len(spec.compressed_layers), spec.num_kv_heads, n_ctx, dtype=torch.float32,
+                             device=device)
+        context_ids = prefill.token_ids[prefill.sink:].tolist()
+        body = model.base_model
+        for start in range(0, n_ctx, self.chunk_size):
+            stop = min(n_ctx, start + self.chunk_size)
+            if start == 0:
+                prompt = tasks.REPEAT_PROMPT
+            else:
+                tail = tokenizer.decode(context_ids[max(0, start - self.tail_tokens) : start])
+                prompt = tasks.repeat_from_prompt(tail)
+            repeat_ids = layout.encode(tokenizer, layout.separator + prompt + layout.turn_end)
+            repeat_ids = repeat_ids + context_ids[start:stop]
+            cache = prefill.view_cache(slice(start, stop))
+            buffers = []
+            for l in spec.compressed_layers:
+                layer = cache.layers[l]
+                layer.scores = torch.zeros(spec.num_kv_heads, layer.kept, dtype=torch.float32, device=device)
+                buffers.append(layer.scores)
+            body(input_ids=torch.tensor([repeat_ids], device=device), past_key_values=cache, use_cache=True)
+            for i, buf in enumerate(buffers):
+                scores[i, :, start:stop] = buf[:, prefill.sink :]
+            if progress:
+                progress(stop)
+        return scores

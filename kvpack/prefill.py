@@ -1,0 +1,96 @@
+"""Chunked prefill: run a context through the model once and keep its full KV cache for scoring and gathering."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers import DynamicCache
+
+from .cache import KvpackCache, PackedLayer
+from .layout import ChatLayout
+from .model import ModelSpec
+
+__all__ = ["Prefill", "prefill"]
+
+
+@dataclass
+class Prefill:
+    """The full KV cache of ``prefix + context``.
+
+    Attributes:
+        token_ids: ``[tokens]`` int64 ids (prefix then context).
+        sink: tokens of the prefix (the attention sink); context positions are ``sink .. tokens - 1``.
+        keys, values: per layer ``[kv_heads, n_l, head_dim]``; ``n_l = tokens`` for full-attention layers, the
+            window kept by the model's own cache for sliding-window layers.
+        positions: per layer ``[n_l]`` int64 RoPE positions of those entries.
+        layout: how the context was laid out (for KVzip's repeat prompts and for later questions).
+        spec: the model's attention shape.
+    """
+
+    token_ids: torch.Tensor
+    sink: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    positions: list[torch.Tensor]
+    layout: ChatLayout
+    spec: ModelSpec
+
+    @property
+    def tokens(self) -> int:
+        """Length of the cached sequence in tokens."""
+        return int(self.token_ids.shape[0])
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens after the sink (the ones that are scored and may be evicted)."""
+        return self.tokens - self.sink
+
+    def view_cache(self, context_slice: slice | None = None) -> KvpackCache:
+        """A cache holding the sink plus ``context_slice`` of the context in full-attention layers.
+
+        Sliding layers hold their intact window. The cache's logical length is the full ``tokens``, so anything
+        fed next sits at positions after the whole context (as KVzip's repeat pass does). Slices are views, not
+        copies, except for the concatenation with the sink.
+        """
+        layers = []
+        for l, (k, v, pos) in enumerate(zip(self.keys, self.values, self.positions)):
+            if l in self.spec.sliding_layers or context_slice is None:
+                idx_k, idx_v, idx_p = k, v, pos
+            else:
+                s, e = self.sink + context_slice.start, self.sink + context_slice.stop
+                idx_k = torch.cat([k[:, : self.sink], k[:, s:e]], dim=1)
+                idx_v = torch.cat([v[:, : self.sink], v[:, s:e]], dim=1)
+                idx_p = torch.cat([pos[: self.sink], pos[s:e]])
+            layers.append(PackedLayer(idx_k.unsqueeze(0), idx_v.unsqueeze(0),
+                                      idx_p.unsqueeze(0).expand(k.shape[0], -1), self.tokens,
+                                      sliding=l in self.spec.sliding_layers))
+        return KvpackCache(layers, self.token_ids, {})
+
+
+@torch.inference_mode()
+def prefill(model, token_ids: list[int], sink: int, layout: ChatLayout, spec: ModelSpec, chunk_size: int,
+            progress: Callable[[int], None] | None = None) -> Prefill:
+    """Prefill ``token_ids`` in chunks of ``chunk_size`` tokens through the model's own attention.
+
+    Memory: the KV cache (linear in tokens) plus one chunk's activations; attention of a chunk over the cache is
+    computed by SDPA. ``progress(n)`` is called with the tokens done after each chunk.
+    """
+    device = next(model.parameters()).device
+    ids = torch.tensor(token_ids, dtype=torch.long)
+    cache = DynamicCache(config=model.config)
+    body = model.base_model
+    for start in range(0, len(token_ids), chunk_size):
+        chunk = ids[start : start + chunk_size].unsqueeze(0).to(device)
+        body(input_ids=chunk, past_key_values=cache, use_cache=True)
+        if progress:
+            progress(min(len(token_ids), start + chunk_size))
+    keys, values, positions = [], [], []
+    n = len(token_ids)
+    for layer in cache.layers:
+        k, v = layer.keys[0], layer.values[0]  # [kv_heads, n_l, d]
+        keys.append(k)
+        values.append(v)
+        positions.append(torch.arange(n - k.shape[1], n, device=k.device))
+    return Prefill(ids, sink, keys, values, positions, layout, spec)
