@@ -25,7 +25,9 @@ __all__ = ["ATTN_IMPLEMENTATION", "register", "use_kvpack_attention", "masked_at
 
 ATTN_IMPLEMENTATION = "kvpack"
 #: Queries processed at once when attention probabilities are materialised (bounds memory while scoring).
-QUERY_BLOCK = 256
+QUERY_BLOCK = 512
+#: Entries of one block of log-probabilities while scoring on CPU (64 MB of float32).
+SCORE_BLOCK_ELEMENTS = 16 * 2**20
 _registered = False
 
 
@@ -50,6 +52,47 @@ def masked_attention(query, key, value, visible, scaling, scores=None, query_blo
         mask = visible.repeat_interleave(group, dim=0).unsqueeze(0)  # [1, heads, q, kv]
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous()
+    if query.device.type == "cpu" and bool((visible == visible[:1]).all()):
+        return _scored_attention_fused(query, key, value, visible[0], scaling, scores)
+    return _scored_attention_explicit(query, key, value, visible, scaling, scores, query_block)
+
+
+def _scored_attention_fused(query, key, value, visible, scaling, scores):
+    """CPU: the fused flash kernel gives the output and each query's log-sum-exp; the scores then need only one
+    matrix product over the first ``n`` entries, ``max_q exp(q . k * scaling - lse_q)``, done as
+    ``[q * scaling, -lse] . [k, 1]``. ``visible``: ``[q, kv]``, the same for every head."""
+    _, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    bias = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill_(~visible, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1),
+        attn_mask=bias[None, None], scale=scaling)
+    n = scores.shape[1]
+    # log p = [q * scaling, -lse] . [k, 1], computed as [kv_heads, n, d + 1] x [kv_heads, d + 1, queries x group]
+    # so that the max over queries runs along memory; queries in blocks of ~SCORE_BLOCK_ELEMENTS outputs
+    k_aug = torch.cat([key[0, :, :n].float(), key.new_ones(kv_heads, n, 1, dtype=torch.float32)], dim=-1)
+    q_aug = torch.cat([query[0].float() * scaling, -lse.reshape(heads, q_len, 1).float()], dim=-1)
+    q_aug = q_aug.view(kv_heads, group, q_len, dim + 1).permute(0, 3, 2, 1).contiguous()  # [kv, d+1, q, g]
+    hidden = ~visible[:, :n]
+    any_hidden = bool(hidden.any())
+    block = max(1, SCORE_BLOCK_ELEMENTS // max(1, kv_heads * n * group))
+    for s in range(0, q_len, block):
+        qb = q_aug[:, :, s : s + block]
+        b = qb.shape[2]
+        log_probs = torch.bmm(k_aug, qb.reshape(kv_heads, dim + 1, b * group))  # [kv_heads, n, b * group]
+        if any_hidden:
+            log_probs.view(kv_heads, n, b, group).masked_fill_(hidden[s : s + block].T[None, :, :, None],
+                                                               float("-inf"))
+        torch.maximum(scores, log_probs.amax(dim=-1).exp_(), out=scores)
+    return out.transpose(1, 2).contiguous()
+
+
+def _scored_attention_explicit(query, key, value, visible, scaling, scores, query_block):
+    """Any device: materialise the probabilities block by block. ``visible``: ``[kv_heads, q, kv]``."""
+    _, heads, q_len, _ = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
     n = scores.shape[1]
     k = key[0].float()  # [kv_heads, kv, d]
     v = value[0].float()

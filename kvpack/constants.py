@@ -1,4 +1,4 @@
-"""Every fixed value of the ``.kvpack`` file format (see ``format/SPEC.md``). Reader and writer define none of their own.
+"""Every fixed value of the ``.kvpack`` file format (``format/SPEC.md``). Reader and writer define none of their own.
 
 A ``.kvpack`` v1 file is a safetensors file whose JSON header is serialised canonically, so it always starts with
 ``MAGIC`` at byte ``MAGIC_OFFSET``.
@@ -49,6 +49,8 @@ __all__ = [
     "INDEX_INT_CODE",
     "INT32_MAX",
     "TEMP_INFIX",
+    "TEMP_RANDOM_BYTES",
+    "TEMP_FILE_MODE",
 ]
 
 # --- identity and versions -------------------------------------------------------------------------------------
@@ -139,3 +141,7 @@ INT32_MAX = 2**31 - 1
 # --- saving ----------------------------------------------------------------------------------------------------
 #: ``save`` writes ``<target name>.tmp.<pid>.<random>`` first (matched by ``*.kvpack.tmp*`` in .gitignore).
 TEMP_INFIX = ".tmp."
+#: Random bytes (hex-encoded) in the temporary name, so concurrent writers never collide.
+TEMP_RANDOM_BYTES = 4
+#: Mode the temporary file is created with (before the umask), as for ``open(path, "wb")``.
+TEMP_FILE_MODE = 0o666

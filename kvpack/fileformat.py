@@ -185,11 +185,13 @@ def save(pack: Pack, path: str | os.PathLike) -> int:
         target = os.fspath(path)
     except TypeError as exc:
         raise InputError(f"cannot save to {path!r}: expected a file path") from exc
-    tmp = f"{target}{C.TEMP_INFIX}{os.getpid()}.{secrets.token_hex(4)}"
+    tmp = f"{target}{C.TEMP_INFIX}{os.getpid()}.{secrets.token_hex(C.TEMP_RANDOM_BYTES)}"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), C.TEMP_FILE_MODE)
     except OSError as exc:
-        raise InputError(f"cannot save {target}: {exc.strerror or exc}; check that the folder exists and is writable") from exc
+        raise InputError(
+            f"cannot save {target}: {exc.strerror or exc}; check that the folder exists and is writable"
+        ) from exc
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -202,7 +204,8 @@ def save(pack: Pack, path: str | os.PathLike) -> int:
         except OSError:
             pass
         if isinstance(exc, OSError):
-            raise InputError(f"cannot save {target}: {exc.strerror or exc}; check the disk space and permissions") from exc
+            reason = exc.strerror or exc
+            raise InputError(f"cannot save {target}: {reason}; check the disk space and permissions") from exc
         raise
     _fsync_folder(os.path.dirname(os.path.abspath(target)))
     return len(data)
@@ -227,7 +230,10 @@ def read_header(source: Source) -> PackHeader:
 
 
 def verify(source: Source) -> PackHeader:
-    """Check everything ``load_pack`` checks, raising on the first problem; return the header. Errors as ``load_pack``."""
+    """Check everything ``load_pack`` checks, raising on the first problem; return the header.
+
+    Raises: the errors of ``load_pack``.
+    """
     return _load(source)[0]
 
 
@@ -437,8 +443,9 @@ def _parse_header(src: _Source) -> tuple[PackHeader, dict[str, str]]:
     if not isinstance(kv, dict):
         raise corrupt(f"{C.META_KVPACK!r} is not a JSON object")
     sink = kv.get(C.SINK_TOKENS_KEY)
-    if type(sink) is not int or sink < 0:
-        raise corrupt(f"{C.SINK_TOKENS_KEY!r} is missing or not a non-negative integer")
+    tokens = tensors[C.TOKEN_IDS].shape[0]
+    if type(sink) is not int or not 0 <= sink <= tokens:
+        raise corrupt(f"{C.SINK_TOKENS_KEY!r} is missing or not an integer in [0, {tokens}] (the number of tokens)")
     if not isinstance(sums, dict) or set(sums) != set(tensors) or not all(map(_is_sha256, sums.values())):
         raise corrupt(f"{C.META_TENSOR_SHA256!r} must map exactly the tensor names to lowercase hex SHA-256s")
     header = PackHeader(version, kv, tensors, C.LENGTH_PREFIX_BYTES + n, size)
@@ -469,7 +476,8 @@ def _index_problem(tensors: dict[str, TensorInfo]) -> str | None:
         if info is None:
             return f"tensor {tname!r} is missing"
         if info.dtype not in codes or len(info.shape) != ndim:
-            return f"tensor {tname!r} must be {'/'.join(codes)} with {ndim} dimensions, not {info.dtype} {list(info.shape)}"
+            want = f"{'/'.join(codes)} with {ndim} dimensions"
+            return f"tensor {tname!r} must be {want}, not {info.dtype} {list(info.shape)}"
         return None
 
     ints = (C.INDEX_INT_CODE,)
@@ -500,7 +508,10 @@ def _index_problem(tensors: dict[str, TensorInfo]) -> str | None:
 
 
 def _pack_problem(pack: Any) -> str | None:
-    """Why ``pack`` is not a consistent Pack, or None. Shared by the writer (InputError) and reader (CorruptFileError)."""
+    """Why ``pack`` is not a consistent Pack, or None.
+
+    Shared by the writer (which raises InputError) and the reader (which raises CorruptFileError).
+    """
     if not isinstance(pack, Pack):
         return f"expected a kvpack Pack, got {type(pack).__name__}"
     t = pack.token_ids
@@ -525,8 +536,9 @@ def _pack_problem(pack: Any) -> str | None:
             return f"layer {l}: positions and head_lengths must be 1-D integer tensors"
         if dims is None:
             dims = (hl.shape[0], k.shape[1], v.shape[1])
-        if (hl.shape[0], k.shape[1], v.shape[1]) != dims or min(dims) < 1:
-            return f"layer {l}: kv_heads/head_dim/head_dim_v {[hl.shape[0], k.shape[1], v.shape[1]]} differ from layer 0's {list(dims)} or are 0"
+        here = (hl.shape[0], k.shape[1], v.shape[1])
+        if here != dims or min(dims) < 1:
+            return f"layer {l}: kv_heads/head_dim/head_dim_v {list(here)} differ from layer 0's {list(dims)} or are 0"
         n = k.shape[0]
         if v.shape[0] != n or p.shape[0] != n:
             return f"layer {l}: keys, values and positions have {n}, {v.shape[0]} and {p.shape[0]} rows"
@@ -550,7 +562,9 @@ def _is_int(x: Any) -> bool:
 
 
 def _is_int_tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and not (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool)
+    if not isinstance(x, torch.Tensor):
+        return False
+    return not (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool)
 
 
 def _is_sha256(x: Any) -> bool:

@@ -20,14 +20,19 @@ _SAMPLES_PER_TENSOR = 64
 
 
 def tokenizer_sha256(tokenizer) -> str:
-    """SHA-256 (hex) of the tokenizer's vocabulary, special tokens and chat template."""
+    """SHA-256 (hex) of the tokenizer's vocabulary, special tokens and chat template (cached on the tokenizer)."""
+    cached = getattr(tokenizer, "_kvpack_sha256", None)
+    if cached is not None:
+        return cached
     vocab = sorted(tokenizer.get_vocab().items())
     payload = {
         "vocab": vocab,
         "special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
         "chat_template": getattr(tokenizer, "chat_template", None) or "",
     }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    tokenizer._kvpack_sha256 = digest
+    return digest
 
 
 @torch.no_grad()
@@ -35,8 +40,13 @@ def weights_sha256(model) -> str:
     """A cheap SHA-256 (hex) of the weights: names, shapes and 64 evenly spaced values of every tensor.
 
     Values are rounded to bfloat16 before hashing, so a model loaded in float32 or bfloat16 (or float16 from a
-    bfloat16 checkpoint) gives the same hash. Cost: one small gather per tensor (milliseconds).
+    bfloat16 checkpoint) gives the same hash. Cost: one small gather per tensor (milliseconds); cached on the
+    model object, keyed by its parameters' storage, so in-place weight updates are not noticed.
     """
+    key = tuple(p.data_ptr() for p in model.parameters())
+    cached = getattr(model, "_kvpack_weights_sha256", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         flat = tensor.detach().reshape(-1)
@@ -46,6 +56,7 @@ def weights_sha256(model) -> str:
         idx = torch.linspace(0, flat.numel() - 1, min(_SAMPLES_PER_TENSOR, flat.numel())).long()
         sample = flat[idx.to(flat.device)].to(torch.bfloat16).view(torch.int16).cpu().numpy()
         h.update(sample.tobytes())
+    model._kvpack_weights_sha256 = (key, h.hexdigest())
     return h.hexdigest()
 
 

@@ -118,3 +118,29 @@ def plant_facts(passage: str, facts: list[Fact], depths: list[float]) -> str:
 def answer_matches(answer: str, fact: Fact) -> bool:
     """Exact match: the fact's code appears in ``answer`` as a whole number (not inside a longer one)."""
     return re.search(rf"(?<!\d){re.escape(fact.code)}(?!\d)", answer) is not None
+
+
+def haystack_documents() -> list[str]:
+    """The held-out documents shipped for retrieval tasks (``kvpack/data/haystack``, PSF-licensed CPython docs)."""
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent / "data" / "haystack"
+    return [p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.txt"))]
+
+
+def needle_context(tokenizer, n_tokens: int, facts: list[Fact], depths: list[float], rng: random.Random) -> str:
+    """A held-out passage of about ``n_tokens`` tokens (facts included) with ``facts`` planted at ``depths``.
+
+    The passage starts at a random paragraph of the concatenated haystack documents; ``tokenizer`` is any object
+    with ``encode(text, add_special_tokens=False)`` and ``decode(ids)``.
+    """
+    text = "\n\n".join(haystack_documents())
+    paragraph_starts = [0] + [m.end() for m in re.finditer(r"\n\n", text)]
+    budget = n_tokens - sum(len(tokenizer.encode(" " + fact_sentence(f), add_special_tokens=False)) for f in facts)
+    while True:
+        start = rng.choice(paragraph_starts)
+        ids = tokenizer.encode(text[start : start + 8 * n_tokens], add_special_tokens=False)
+        if len(ids) >= budget:
+            break
+    passage = tokenizer.decode(ids[: max(1, budget)])
+    return plant_facts(passage, facts, depths)

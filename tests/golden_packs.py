@@ -19,7 +19,9 @@ from kvpack.pack import LayerEntries, Pack
 GOLDEN_DIR = Path(__file__).resolve().parent.parent / "format" / "golden"
 
 
-def _layer(head_positions: list[list[int]], head_dim: int, head_dim_v: int, dtype: torch.dtype, seed: int) -> LayerEntries:
+def _layer(
+    head_positions: list[list[int]], head_dim: int, head_dim_v: int, dtype: torch.dtype, seed: int
+) -> LayerEntries:
     """Entries whose key/value at row r, column c is a small multiple of 1/4 derived from (seed, r, c)."""
     positions = [p for head in head_positions for p in head]
     n = len(positions)

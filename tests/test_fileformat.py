@@ -30,7 +30,9 @@ def assert_packs_equal(a: Pack, b: Pack) -> None:
             assert torch.equal(x, y), name
 
 
-def random_pack(dtype: torch.dtype, head_lengths: list[list[int]], head_dim: int = 8, head_dim_v: int = 8, tokens: int = 40) -> Pack:
+def random_pack(
+    dtype: torch.dtype, head_lengths: list[list[int]], head_dim: int = 8, head_dim_v: int = 8, tokens: int = 40
+) -> Pack:
     """A pack with random values; head h of layer l keeps ``head_lengths[l][h]`` sorted random positions."""
     g = torch.Generator().manual_seed(0)
     layers = []

@@ -1,0 +1,246 @@
+"""The ``kvpack`` command line: parses arguments, calls the library, formats the results.
+
+    kvpack build docs/ --ratio 0.3          # one .kvpack per document, in ../packs beside docs/
+    kvpack info packs/notes.kvpack
+    kvpack verify packs/notes.kvpack --model PATH
+    kvpack ask packs/notes.kvpack "What is the secret code?"
+
+Every ``KvpackError`` is printed as ``error: <message>`` on stderr, without a traceback, and the exit status is 1;
+usage errors (bad options) keep click's status 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import click
+
+from . import __version__
+from .build import build as build_packs
+from .build import check_compatible, check_pack, default_out_dir, discover_contexts
+from .compress import DEFAULT_CHUNK_SIZE, DEFAULT_RATIO
+from .errors import KvpackError
+from .fileformat import load_pack, read_header
+from .generation import generate
+from .loading import cache_from_pack
+from .methods import METHODS
+from .model import load_model
+
+__all__ = ["cli", "main"]
+
+_DEVICES = ("auto", "cpu", "cuda")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_MODEL_HELP = "Hugging Face model folder or hub id [default: the embedded reference model]."
+
+
+class _Group(click.Group):
+    """A group that turns every ``KvpackError`` into ``error: <message>`` on stderr and exit status 1."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except KvpackError as exc:
+            click.echo(f"error: {exc}", err=True)
+            ctx.exit(1)
+
+
+def _model_options(f):
+    f = click.option("--dtype", type=click.Choice(_DTYPES), default="auto", show_default=True,
+                     help="Model dtype (auto: bfloat16 on CUDA, float32 on CPU).")(f)
+    f = click.option("--device", type=click.Choice(_DEVICES), default="auto", show_default=True,
+                     help="Where to run the model (auto: CUDA when available).")(f)
+    return f
+
+
+def _load(model: str | None, device: str, dtype: str):
+    click.echo(f"loading model {model or '(embedded reference model)'} ...", err=True)
+    return load_model(model, device=device, dtype=dtype)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="kvpack")
+def cli():
+    """Compress an LLM's KV cache of a document once into a .kvpack file, then ask it questions."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# build
+
+
+@cli.command()
+@click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
+@click.option("--model", "model_name", default=None, metavar="NAME_OR_PATH", help=_MODEL_HELP)
+@click.option("--method", type=click.Choice(sorted(METHODS)), default="kvzip", show_default=True,
+              help="Compression method (scores the KV entries).")
+@click.option("--ratio", type=click.FloatRange(0.0, 1.0, min_open=True), default=DEFAULT_RATIO, show_default=True,
+              help="Fraction of the context's KV entries kept.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="Output folder [default: packs/ beside the first input: docs/ -> docs/../packs, "
+                   "docs/a.txt -> docs/packs].")
+@_model_options
+@click.option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE, show_default=True,
+              help="Tokens per prefill and scoring chunk (bounds memory).")
+@click.option("--overwrite", is_flag=True, help="Rebuild packs that are already up to date.")
+def build(inputs, model_name, method, ratio, out_dir, device, dtype, chunk_size, overwrite):
+    """Compress each document in INPUT... into <name>.kvpack.
+
+    INPUT is .txt/.md files (one document each, named after the file), .jsonl files (one document per line:
+    {"id": ..., "text": ...}, named <file>-<id> or <file>-<line>) or folders of them, walked recursively.
+    Packs that are already up to date (same text, method, ratio and model) are skipped.
+    """
+    from tqdm import tqdm
+
+    contexts = discover_contexts(inputs)
+    out = Path(out_dir) if out_dir is not None else default_out_dir(inputs)
+    model, tokenizer = _load(model_name, device, dtype)
+    bar = functools.partial(tqdm, unit="tok", unit_scale=True, desc="compressing",
+                            file=sys.stderr, dynamic_ncols=True)
+    results = build_packs(contexts, model, tokenizer, out_dir=out, method=method, ratio=ratio,
+                          chunk_size=chunk_size, overwrite=overwrite, progress_factory=bar)
+    rows = [(r.name, f"{r.tokens:,}", f"{r.entries_kept:,}", f"{r.bytes_written:,}", f"{r.seconds:.2f}",
+             "skipped (up to date)" if r.skipped else "built") for r in results]
+    click.echo(_table(("context", "tokens", "entries kept", "bytes", "seconds", "status"), rows,
+                      right=(1, 2, 3, 4)))
+    built = [r for r in results if not r.skipped]
+    click.echo(f"{len(results)} packs in {out}: {len(built)} built, {len(results) - len(built)} skipped; "
+               f"{sum(r.bytes_written for r in built):,} bytes written in {sum(r.seconds for r in results):.1f} s")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# info
+
+
+@cli.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+def info(file):
+    """Describe a .kvpack file: model, method, sizes, entries kept per layer."""
+    pack = load_pack(file)  # validates the whole file
+    header = read_header(file)
+    meta = header.metadata
+    fp = meta.get("fingerprint") or {}
+    stats = meta.get("stats") or {}
+    source = meta.get("source") or {}
+    params = meta.get("method_params") or {}
+    rope = fp.get("rope") or {}
+    sliding = fp.get("sliding_layers") or []
+    rows = [
+        ("file", str(file)),
+        ("format", f"kvpack v{header.format_version}, {header.file_bytes:,} bytes"),
+        ("kvpack version", str(meta.get("kvpack_version", "?"))),
+        ("model", str(fp.get("name") or "?")),
+        ("  architecture", f"{fp.get('architecture', '?')} ({fp.get('model_type', '?')})"),
+        ("  layers", str(fp.get("num_layers", "?"))),
+        ("  heads", f"{fp.get('num_heads', '?')} query, {fp.get('num_kv_heads', '?')} KV"),
+        ("  head dim", str(fp.get("head_dim", "?"))),
+        ("  RoPE", ", ".join(f"{k}={v}" for k, v in sorted(rope.items())) or "-"),
+        ("  sliding layers", (f"{', '.join(map(str, sliding))} (window {fp.get('sliding_window')}, kept intact)"
+                              if sliding else "none")),
+        ("  KV dtype", str(fp.get("dtype", "?"))),
+        ("  tokenizer", f"sha256 {_short(fp.get('tokenizer_sha256'))}"),
+        ("  weights", f"sha256 {_short(fp.get('weights_sha256'))}"),
+        ("method", f"{meta.get('method', '?')}"
+                   + (f" ({', '.join(f'{k}={v}' for k, v in sorted(params.items()))})" if params else "")),
+        ("ratio", str(meta.get("ratio", "?"))),
+        ("tokens", f"{pack.original_tokens:,} ({pack.sink_tokens:,} sink + "
+                   f"{pack.original_tokens - pack.sink_tokens:,} context)"),
+        ("entries kept", _kept(pack, stats)),
+        ("source", f"{source.get('name', '?')} (sha256 {_short(source.get('sha256'))}, "
+                   f"{source.get('chars', '?'):,} chars)" if isinstance(source.get("chars"), int)
+                   else f"{source.get('name', '?')} (sha256 {_short(source.get('sha256'))})"),
+    ]
+    click.echo(_pairs(rows))
+
+    kinds = meta.get("layer_kinds") or []
+    click.echo("\nentries kept per layer (per KV head: min / mean / max)")
+    layer_rows = []
+    for l, layer in enumerate(pack.layers):
+        hl = layer.head_lengths.double()
+        layer_rows.append((str(l), kinds[l] if l < len(kinds) else "?", f"{layer.num_entries:,}",
+                           f"{int(hl.min()):,}", f"{float(hl.mean()):,.1f}", f"{int(hl.max()):,}"))
+    click.echo(_table(("layer", "kind", "entries", "min", "mean", "max"), layer_rows, right=(0, 2, 3, 4, 5),
+                      indent="  "))
+
+    click.echo("\nbytes by section")
+    sections = header.bytes_by_section()
+    sec_rows = [(name, f"{n:,}", f"{100 * n / max(1, header.file_bytes):.1f}%") for name, n in sections.items()]
+    sec_rows.append(("total", f"{header.file_bytes:,}", "100.0%"))
+    click.echo(_table(("section", "bytes", "share"), sec_rows, right=(1, 2), indent="  "))
+
+
+def _kept(pack, stats: dict) -> str:
+    total = f"{pack.kept_entries():,} stored"
+    kept, entries = stats.get("context_entries_kept"), stats.get("context_entries")
+    if isinstance(kept, int) and isinstance(entries, int) and entries:
+        return f"{total}; context: {kept:,} of {entries:,} ({100 * kept / entries:.1f}%), sink always kept"
+    return total
+
+
+def _short(digest) -> str:
+    return f"{digest[:12]}..." if isinstance(digest, str) and len(digest) > 12 else str(digest or "-")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# verify
+
+
+@cli.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--model", "model_name", default=None, metavar="NAME_OR_PATH",
+              help="Also check the pack fits this model (fingerprint and tokenizer).")
+@_model_options
+def verify(file, model_name, device, dtype):
+    """Check a .kvpack file's integrity (and, with --model, that it fits the model)."""
+    header = check_pack(file)
+    click.echo(f"OK: {file} is intact (kvpack format v{header.format_version}, {header.file_bytes:,} bytes, "
+               "all checksums match)")
+    if model_name is not None:
+        model, tokenizer = _load(model_name, device, dtype)
+        check_compatible(header, model, tokenizer, path=str(file))
+        click.echo(f"OK: {file} fits model {model_name} (architecture, weights and tokenizer match)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ask
+
+
+@cli.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("question")
+@click.option("--model", "model_name", default=None, metavar="NAME_OR_PATH",
+              help="The model the pack was built with [default: the embedded reference model].")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Longest answer, in tokens.")
+@_model_options
+def ask(file, question, model_name, max_new_tokens, device, dtype):
+    """Answer QUESTION about the document compressed in FILE."""
+    pack = load_pack(file)
+    model, tokenizer = _load(model_name, device, dtype)
+    cache = cache_from_pack(pack, model, tokenizer, where=str(file))
+    click.echo(generate(model, tokenizer, cache, question, max_new_tokens=max_new_tokens))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# formatting
+
+
+def _pairs(rows) -> str:
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _table(headers, rows, *, right=(), indent: str = "") -> str:
+    cols = list(zip(headers, *rows))
+    widths = [max(len(str(c)) for c in col) for col in cols]
+
+    def line(cells):
+        out = [f"{c:>{w}}" if i in right else f"{c:<{w}}" for i, (c, w) in enumerate(zip(cells, widths))]
+        return (indent + "  ".join(out)).rstrip()
+
+    return "\n".join([line(headers)] + [line(r) for r in rows])
+
+
+def main() -> None:
+    """Entry point of the ``kvpack`` console script and ``python -m kvpack``."""
+    cli(prog_name="kvpack")

@@ -1,0 +1,84 @@
+#!/usr/bin/env python
+"""Time the main job side by side on one context: plain prefill, a KVzip build, and loading vs re-prefilling.
+
+All timings are medians over ``--repeats`` runs, interleaved in one process so machine noise hits every row
+alike; the ratios are what to quote.
+
+    python tools/bench_main_job.py --tokens 4096 --ratio 0.3 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kvpack  # noqa: E402
+from kvpack import tasks  # noqa: E402
+from kvpack.layout import chat_layout  # noqa: E402
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--tokens", type=int, default=4096, help="context length in tokens")
+    ap.add_argument("--ratio", type=float, default=0.3)
+    ap.add_argument("--method", default="kvzip")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device", default="auto")
+    args = ap.parse_args()
+    model, tok = kvpack.load_model(args.model, device=args.device)
+    rng = random.Random(0)
+    fact = tasks.random_fact(rng)
+    text = tasks.needle_context(tok, args.tokens, [fact], [0.5], rng)
+    layout = chat_layout(tok)
+    ids = torch.tensor([layout.prefix_ids(tok) + layout.encode(tok, text)], device=model.device)
+
+    @torch.inference_mode()
+    def prefill():
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return cache
+
+    rows = {"prefill": [], "build": [], "save": [], "load": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "ctx.kvpack"
+        prefill()  # warm-up
+        for _ in range(args.repeats):
+            rows["prefill"].append(timed(prefill)[0])
+            t, pack = timed(lambda: kvpack.compress(model, tok, text, method=args.method, ratio=args.ratio))
+            rows["build"].append(t)
+            rows["save"].append(timed(lambda: kvpack.save(pack, path))[0])
+            rows["load"].append(timed(lambda: kvpack.load(path, model))[0])
+        size = path.stat().st_size
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    print(f"model {getattr(model, 'kvpack_name', '?')} on {model.device}, {ids.shape[1]} tokens, "
+          f"method {args.method}, ratio {args.ratio}, {args.repeats} repeats (medians)")
+    print("| step | median seconds | vs plain prefill |")
+    print("|---|---|---|")
+    for k in ("prefill", "build", "save", "load"):
+        print(f"| {k} | {med[k]:.4f} | {med[k] / med['prefill']:.3f}x |")
+    print(f"\nKVzip build / prefill: {med['build'] / med['prefill']:.2f}x (target <= 2.1x)")
+    print(f"re-prefill / load: {med['prefill'] / med['load']:.1f}x faster to load (target >= 100x)")
+    print(f"file: {size} bytes ({size / ids.shape[1]:.1f} bytes per context token)")
+
+
+if __name__ == "__main__":
+    main()

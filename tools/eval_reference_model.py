@@ -1,0 +1,75 @@
+#!/usr/bin/env python
+"""Full-cache retrieval accuracy of a model by context length and needle depth (the model card's figure).
+
+Each trial plants one "The secret code of <name> is <number>." fact at a depth in a held-out passage
+(``kvpack/data/haystack``), asks "What is the secret code of <name>?" in the same user turn, and greedy-decodes
+the answer with the ordinary full cache. Depths are spread evenly over 0-100%; trials are seeded.
+
+    python tools/eval_reference_model.py --lengths 1024 2048 4096 --trials 100 --out runs/eval.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kvpack  # noqa: E402
+from kvpack import tasks  # noqa: E402
+from kvpack.layout import chat_layout  # noqa: E402
+
+
+@torch.inference_mode()
+def retrieval_accuracy(model, tokenizer, length: int, trials: int, seed: int = 0) -> dict:
+    """Greedy full-cache retrieval over ``trials`` depths in [0, 1]; returns accuracy and per-depth hits."""
+    rng = random.Random(seed * 1_000_003 + length)
+    layout = chat_layout(tokenizer)
+    hits = []
+    for t in range(trials):
+        depth = t / max(1, trials - 1)
+        fact = tasks.random_fact(rng)
+        context = tasks.needle_context(tokenizer, length, [fact], [depth], rng)
+        ids = layout.prefix_ids(tokenizer) + layout.encode(tokenizer, context)
+        ids += layout.question_ids(tokenizer, tasks.fact_question(fact))
+        x = torch.tensor([ids], device=model.device)
+        out = model.generate(x, max_new_tokens=16, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id)
+        answer = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+        hits.append((round(depth, 3), tasks.answer_matches(answer, fact)))
+    return {"length": length, "trials": trials, "accuracy": sum(h for _, h in hits) / trials, "hits": hits}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model folder (default: the embedded reference model)")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
+    ap.add_argument("--trials", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    torch.manual_seed(args.seed)
+    model, tok = kvpack.load_model(args.model)
+    results = []
+    print("| context tokens | trials | accuracy | depth 0-33% | depth 33-67% | depth 67-100% | seconds |")
+    print("|---|---|---|---|---|---|---|")
+    for length in args.lengths:
+        t0 = time.perf_counter()
+        r = retrieval_accuracy(model, tok, length, args.trials, args.seed)
+        r["seconds"] = round(time.perf_counter() - t0, 1)
+        bins = [[h for d, h in r["hits"] if lo <= d < hi] for lo, hi in ((0, 1 / 3), (1 / 3, 2 / 3), (2 / 3, 1.01))]
+        cells = " | ".join(f"{sum(b) / max(1, len(b)):.0%}" for b in bins)
+        print(f"| {length} | {args.trials} | {r['accuracy']:.1%} | {cells} | {r['seconds']} |", flush=True)
+        results.append(r)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
