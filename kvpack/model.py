@@ -75,6 +75,7 @@ def load_model(name_or_path: str | os.PathLike | None = None, *, device=None, dt
         )
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
         model = AutoModelForCausalLM.from_pretrained(
@@ -87,6 +88,7 @@ def load_model(name_or_path: str | os.PathLike | None = None, *, device=None, dt
         raise ModelLoadError(f"could not load model {str(path)!r}: {exc}. Fix: {hint}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
     model_spec(model)  # refuse unsupported architectures early
     model.to(dev).eval()
     model.kvpack_name = "kvpack-reference" if name_or_path is None else str(name_or_path)

@@ -20,25 +20,27 @@ def _question_logits(model, cache, q_ids):
     return out.logits[0].float()
 
 
-def _pack_and_cache(arch, ratio, chunk_size=32):
+def _pack_and_cache(arch, ratio, tmp_path, chunk_size=32):
+    """Compress, save to a file and load it back: the path users take."""
     model, tok = tiny_model(arch)
     pack = kvpack.compress(model, tok, TEXT, ratio=ratio, chunk_size=chunk_size)
-    cache = cache_from_pack(pack, model, tok)
+    kvpack.save(pack, tmp_path / f"{arch}.kvpack")
+    cache = kvpack.load(tmp_path / f"{arch}.kvpack", model, tokenizer=tok)
     ids = question_input_ids(tok, cache, "What is the secret code of Alice?")[0].tolist()
     return model, pack, cache, ids[pack.original_tokens:]
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_ratio_one_equals_full_prefill(arch):
-    model, pack, cache, q_ids = _pack_and_cache(arch, 1.0)
+def test_ratio_one_equals_full_prefill(arch, tmp_path):
+    model, pack, cache, q_ids = _pack_and_cache(arch, 1.0, tmp_path)
     got = _question_logits(model, cache, q_ids)
     full = model(input_ids=torch.tensor([pack.token_ids.tolist() + q_ids])).logits[0, -len(q_ids):].float()
     torch.testing.assert_close(got, full, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_evicted_entries_equal_masked_full_cache(arch):
-    model, pack, cache, q_ids = _pack_and_cache(arch, 0.3)
+def test_evicted_entries_equal_masked_full_cache(arch, tmp_path):
+    model, pack, cache, q_ids = _pack_and_cache(arch, 0.3, tmp_path)
     spec = model_spec(model)
     kept = []
     for l, layer in enumerate(pack.layers):
@@ -58,8 +60,8 @@ def test_evicted_entries_equal_masked_full_cache(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_budget_is_exact_and_sink_is_kept(arch):
-    model, pack, _, _ = _pack_and_cache(arch, 0.3)
+def test_budget_is_exact_and_sink_is_kept(arch, tmp_path):
+    model, pack, _, _ = _pack_and_cache(arch, 0.3, tmp_path)
     spec = model_spec(model)
     stats = pack.metadata["stats"]
     assert stats["context_entries_kept"] == round(0.3 * stats["context_entries"])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -21,28 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpack  # noqa: E402
-from kvpack import tasks  # noqa: E402
-from kvpack.layout import chat_layout  # noqa: E402
-
-
-@torch.inference_mode()
-def retrieval_accuracy(model, tokenizer, length: int, trials: int, seed: int = 0) -> dict:
-    """Greedy full-cache retrieval over ``trials`` depths in [0, 1]; returns accuracy and per-depth hits."""
-    rng = random.Random(seed * 1_000_003 + length)
-    layout = chat_layout(tokenizer)
-    hits = []
-    for t in range(trials):
-        depth = t / max(1, trials - 1)
-        fact = tasks.random_fact(rng)
-        context = tasks.needle_context(tokenizer, length, [fact], [depth], rng)
-        ids = layout.prefix_ids(tokenizer) + layout.encode(tokenizer, context)
-        ids += layout.question_ids(tokenizer, tasks.fact_question(fact))
-        x = torch.tensor([ids], device=model.device)
-        out = model.generate(x, max_new_tokens=16, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id)
-        answer = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
-        hits.append((round(depth, 3), tasks.answer_matches(answer, fact)))
-    return {"length": length, "trials": trials, "accuracy": sum(h for _, h in hits) / trials, "hits": hits}
+from kvpack.evaluation import full_cache_retrieval  # noqa: E402
 
 
 def main() -> None:
@@ -60,8 +38,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for length in args.lengths:
         t0 = time.perf_counter()
-        r = retrieval_accuracy(model, tok, length, args.trials, args.seed)
-        r["seconds"] = round(time.perf_counter() - t0, 1)
+        hits = [(round(d, 3), ok) for d, ok, _ in full_cache_retrieval(model, tok, length, args.trials, args.seed)]
+        r = {"length": length, "trials": args.trials, "accuracy": sum(ok for _, ok in hits) / args.trials,
+             "hits": hits, "seconds": round(time.perf_counter() - t0, 1)}
         bins = [[h for d, h in r["hits"] if lo <= d < hi] for lo, hi in ((0, 1 / 3), (1 / 3, 2 / 3), (2 / 3, 1.01))]
         cells = " | ".join(f"{sum(b) / max(1, len(b)):.0%}" for b in bins)
         print(f"| {length} | {args.trials} | {r['accuracy']:.1%} | {cells} | {r['seconds']} |", flush=True)

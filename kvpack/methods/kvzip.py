@@ -8,6 +8,7 @@ from typing import Callable, ClassVar
 import torch
 
 from .. import tasks
+from ..errors import InputError
 from ..attention import use_kvpack_attention
 from ..prefill import Prefill
 from .base import Method
@@ -39,6 +40,12 @@ class KVzip(Method):
     name: ClassVar[str] = "kvzip"
     chunk_size: int = 2048
     tail_tokens: int = 8
+
+    def __post_init__(self):
+        for field, low in (("chunk_size", 1), ("tail_tokens", 0)):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise InputError(f"kvzip: {field} must be an integer >= {low}, got {value!r}")
 
     @torch.inference_mode()
     def score(self, model, tokenizer, prefill: Prefill, progress: Callable[[int], None] | None = None
