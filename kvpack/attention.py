@@ -12,6 +12,12 @@ before with ordinary caches.
 While KVzip scores (arXiv 2505.23416 §3.2, Eq. 2) the layer also carries a score buffer: the function then
 computes the softmax explicitly, in query blocks, and folds ``max`` over queries and over the query heads of each
 GQA group into the buffer (shape ``[kv_heads, kept_entries]``).
+
+While a context is prefilled for a method that scores by prefill attention (H2O, D2O, SnapKV, PyramidKV),
+``kvpack.prefill`` tags each compressed layer's keys with an ``AttentionRecorder`` (``kvpack.stats``): for column
+sums the function computes the chunk's causal attention together with each query's log-sum-exp
+(``attention_with_lse``) and hands both to the recorder; for an observation window it hands the recorder the
+chunk's queries and keys and computes the attention as plain SDPA.
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from .errors import UnsupportedModelError
+from .stats import visible_mask
 
-__all__ = ["ATTN_IMPLEMENTATION", "register", "use_kvpack_attention", "masked_attention", "QUERY_BLOCK"]
+__all__ = ["ATTN_IMPLEMENTATION", "register", "use_kvpack_attention", "masked_attention", "attention_with_lse",
+           "QUERY_BLOCK"]
 
 ATTN_IMPLEMENTATION = "kvpack"
 #: Queries processed at once when attention probabilities are materialised (bounds memory while scoring).
@@ -108,10 +116,75 @@ def _scored_attention_explicit(query, key, value, visible, scaling, scores, quer
     return out.unsqueeze(0).transpose(1, 2).contiguous()
 
 
+def attention_with_lse(query, key, value, scaling, window=None):
+    """Causal attention of a prefill chunk, with each query's log-sum-exp.
+
+    Args:
+        query: ``[1, heads, q, head_dim]``, the last ``q`` positions of the keys.
+        key, value: ``[1, kv_heads, kv, head_dim]`` (GQA allowed), ``kv >= q``.
+        scaling: softmax temperature applied to ``q . k``.
+        window: sliding window in tokens (a query sees the keys less than ``window`` behind it), or ``None``.
+
+    Returns:
+        ``(out, lse)``: ``[1, q, heads, head_dim_v]`` in the query's dtype (the layout transformers expects) and
+        ``[1, heads, q]`` float32 ``log sum_j exp(q . k_j * scaling)`` over the visible keys.
+
+    On CPU without a biting window this is two calls of the fused flash kernel, one over the keys before the chunk
+    (all visible) and one causal over the chunk's own keys, combined through their log-sum-exps; no mask is built.
+    """
+    _, heads, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    group = heads // key.shape[1]
+    k, v = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    if query.device.type == "cpu" and (window is None or kv_len <= window):
+        past = kv_len - q_len
+        out, lse = flash(query, k[:, :, past:], v[:, :, past:], is_causal=True, scale=scaling)
+        if past > 0:
+            out_past, lse_past = flash(query, k[:, :, :past], v[:, :, :past], scale=scaling)
+            total = torch.logaddexp(lse, lse_past)
+            out = out * (lse - total).exp().unsqueeze(-1).to(out.dtype) \
+                + out_past * (lse_past - total).exp().unsqueeze(-1).to(out.dtype)
+            lse = total
+        return out.transpose(1, 2).contiguous(), lse.float()
+    visible = visible_mask(q_len, kv_len, window, query.device)
+    if query.device.type == "cpu":
+        bias = torch.zeros(visible.shape, dtype=query.dtype).masked_fill_(~visible, float("-inf"))
+        out, lse = flash(query, k, v, attn_mask=bias[None, None], scale=scaling)
+        return out.transpose(1, 2).contiguous(), lse.float()
+    return _attention_with_lse_explicit(query, k, v, visible, scaling)
+
+
+def _attention_with_lse_explicit(query, k, v, visible, scaling, query_block: int = QUERY_BLOCK):
+    """Any device: softmax in blocks of queries. ``k``, ``v``: ``[1, heads, kv, d]`` (already repeated per GQA
+    group); ``visible``: ``[q, kv]``. Returns what ``attention_with_lse`` returns."""
+    outs, lses = [], []
+    for s in range(0, query.shape[2], query_block):
+        logits = torch.matmul(query[0, :, s : s + query_block].float(), k[0].float().transpose(1, 2)) * scaling
+        logits.masked_fill_(~visible[None, s : s + query_block], float("-inf"))
+        lse = logits.logsumexp(dim=-1)  # [heads, b]
+        outs.append(torch.matmul((logits - lse[..., None]).exp_(), v[0].float()))
+        lses.append(lse)
+    out = torch.cat(outs, dim=1).to(query.dtype).unsqueeze(0)
+    return out.transpose(1, 2).contiguous(), torch.cat(lses, dim=1).unsqueeze(0)
+
+
 def kvpack_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                              **kwargs):
     """The function registered as ``"kvpack"``; signature of transformers' attention interface."""
     layer = getattr(key, "_kvpack_layer", None)
+    recording = getattr(key, "_kvpack_recording", None)
+    if recording is not None:  # a chunk of kvpack.prefill with an AttentionRecorder (batch size 1)
+        recorder, layer_idx, key_start = recording
+        q_start = key_start + key.shape[2] - query.shape[2]
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        window = kwargs.get("sliding_window")
+        if recorder.wants_columns(layer_idx, q_start):
+            out, lse = attention_with_lse(query, key, value, scale, window)
+            recorder.record(layer_idx, query, key, scale, key_start, window, lse)
+            return out, None
+        if recorder.wants_window(layer_idx, q_start, query.shape[2]):
+            recorder.record(layer_idx, query, key, scale, key_start, window)  # then plain SDPA below
     if layer is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

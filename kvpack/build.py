@@ -4,9 +4,9 @@
     model, tok = kvpack.load_model()
     results = build(contexts, model, tok, out_dir=default_out_dir(["docs/"]), method="kvzip", ratio=0.3)
 
-A context whose output file already holds a pack built from the same text, with the same method, parameters and
-ratio, by the same model (weights, tokenizer, architecture, KV dtype), is skipped; so re-running a build after
-adding documents only compresses the new ones.
+A context whose output file already holds a pack built from the same text, with the same method, parameters,
+ratio, quantization and zstd level, by the same model (weights, tokenizer, architecture, KV dtype), is skipped; so
+re-running a build after adding documents only compresses the new ones.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from .fileformat import PackHeader, save, verify
 from .fingerprint import check_fingerprint, model_fingerprint
 from .layout import chat_layout
 from .methods import get_method
+from .model import model_spec
+from .quant import check_quant_args
 
 __all__ = [
     "SUFFIXES",
@@ -246,21 +248,24 @@ def default_out_dir(inputs: Iterable[str | os.PathLike]) -> Path:
 
 def build(contexts: Iterable[Context], model, tokenizer, *, out_dir: str | os.PathLike, method: str = "kvzip",
           ratio: float = DEFAULT_RATIO, chunk_size: int = DEFAULT_CHUNK_SIZE, overwrite: bool = False,
-          progress_factory: Callable[..., Any] | None = None, **options) -> list[BuildResult]:
+          progress_factory: Callable[..., Any] | None = None, quant: str = C.QUANT_NONE,
+          group_size: int = C.DEFAULT_GROUP_SIZE, zstd_level: int = C.DEFAULT_ZSTD_LEVEL,
+          **options) -> list[BuildResult]:
     """Compress every context with ``kvpack.compress`` and write ``<out_dir>/<name>.kvpack`` (atomically).
 
     An existing output file is kept (the context is skipped) when it is a valid pack (``verify``: every
-    checksum) built from the same text (SHA-256) with the same method, method parameters and ratio, by the same
-    model: the fingerprint's weights and tokenizer hashes, architecture, shapes, RoPE and KV dtype (not the path
-    the model was loaded from). A damaged or unreadable existing file is rebuilt, not reported as an error.
-    ``overwrite=True`` rebuilds everything. Contexts are built in order; an error stops the build, and the
-    packs already written stay (a re-run skips them).
+    checksum) built from the same text (SHA-256) with the same method, method parameters, ratio, quantization
+    (type and group size) and zstd level, by the same model: the fingerprint's weights and tokenizer hashes,
+    architecture, shapes, RoPE and KV dtype (not the path the model was loaded from). A damaged or unreadable
+    existing file is rebuilt, not reported as an error. ``overwrite=True`` rebuilds everything. Contexts are built
+    in order; an error stops the build, and the packs already written stay (a re-run skips them).
 
     Args:
         contexts: from ``discover_contexts`` (names must be distinct).
         model, tokenizer: from ``kvpack.load_model``.
         out_dir: output folder, created if missing.
-        method, ratio, chunk_size, **options: as for ``kvpack.compress``.
+        method, ratio, chunk_size, quant, group_size, **options: as for ``kvpack.compress``.
+        zstd_level: as for ``kvpack.save``, but 3 by default (as ``kvpack build``); 0 stores tensors raw.
         overwrite: rebuild even up-to-date files.
         progress_factory: called once, when at least one context is to be built, as
             ``progress_factory(total=T, initial=S)`` with ``T`` the tokens of all contexts and ``S`` those of the
@@ -271,12 +276,14 @@ def build(contexts: Iterable[Context], model, tokenizer, *, out_dir: str | os.Pa
         One ``BuildResult`` per context, in order.
 
     Raises:
-        InputError: bad method, option, ratio or chunk size (checked before anything is written); a context
+        InputError: bad method, option, ratio, chunk size, quantization or zstd level (checked before anything is
+            written); a context
             ``compress`` refuses (e.g. too long for the model); ``out_dir`` cannot be created or written.
         UnsupportedModelError: the model is not supported.
     """
     contexts = list(contexts)
     expected = _expected_settings(model, tokenizer, method, ratio, chunk_size, options)
+    expected.update(_storage_settings(model, quant, group_size, zstd_level))
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -312,8 +319,9 @@ def build(contexts: Iterable[Context], model, tokenizer, *, out_dir: str | os.Pa
             t0 = time.perf_counter()
             tracker = _Progress(bar, tokens, stages=1 if ratio >= 1.0 else 2)
             pack = compress(model, tokenizer, ctx.text, method=method, ratio=ratio, chunk_size=chunk_size,
-                            source_name=ctx.source_name, progress=tracker, **options)
-            written = save(pack, path)
+                            source_name=ctx.source_name, progress=tracker, quant=quant, group_size=group_size,
+                            **options)
+            written = save(pack, path, zstd_level=zstd_level)
             tracker.finish()
             results.append(BuildResult(ctx.name, path, pack.original_tokens, pack.kept_entries(), written,
                                        time.perf_counter() - t0, False))
@@ -329,13 +337,23 @@ def _expected_settings(model, tokenizer, method: str, ratio: float, chunk_size: 
         raise InputError(f"ratio must be in (0, 1] (the fraction of KV entries kept), got {ratio!r}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise InputError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}")
-    params = dict(options)
-    if method == "kvzip":  # the same default compress applies
-        params.setdefault("chunk_size", chunk_size)
-    scorer = get_method(method, **params)
+    scorer = get_method(method, {"chunk_size": chunk_size}, **options)  # the same default compress applies
     fingerprint = model_fingerprint(model, tokenizer)
     return {"method": scorer.name, "method_params": json.loads(json.dumps(scorer.params())),
-            "ratio": float(ratio), "fingerprint": _comparable(fingerprint)}
+            "ratio": float(scorer.kept_ratio(ratio)), "fingerprint": _comparable(fingerprint)}
+
+
+def _storage_settings(model, quant: str, group_size: int, zstd_level: int) -> dict:
+    """How an up-to-date pack is stored: ``quant`` (type, group size or None) and ``zstd_level``; validates them."""
+    if quant != C.QUANT_NONE:
+        spec = model_spec(model)
+        check_quant_args(quant, group_size, spec.head_dim, spec.head_dim, allowed_group_sizes=C.GROUP_SIZES)
+    if isinstance(zstd_level, bool) or not isinstance(zstd_level, int) or not (
+            zstd_level == 0 or C.ZSTD_MIN_LEVEL <= zstd_level <= C.ZSTD_MAX_LEVEL):
+        raise InputError(f"zstd_level must be 0 (off) or an integer in [{C.ZSTD_MIN_LEVEL}, {C.ZSTD_MAX_LEVEL}], "
+                         f"got {zstd_level!r}")
+    return {"quant": (quant, group_size) if quant != C.QUANT_NONE else (C.QUANT_NONE, None),
+            "zstd_level": zstd_level}
 
 
 def _comparable(fingerprint: Any) -> dict:
@@ -360,12 +378,14 @@ def _up_to_date(path: Path, text: str, expected: dict) -> PackHeader | None:
         return None
     if _comparable(meta.get("fingerprint")) != expected["fingerprint"]:
         return None
+    if (header.quant_type, header.group_size) != expected["quant"] or header.zstd_level != expected["zstd_level"]:
+        return None
     return header
 
 
 def _header_entries(header: PackHeader) -> int:
-    """KV entries stored in a file, from its tensor index (no data read)."""
-    return sum(header.tensors[C.layer_tensor_name(l, C.KEYS)].shape[0] for l in range(header.num_layers))
+    """KV entries stored in a file, from its tensor index (no data read; quantized entries included)."""
+    return sum(header.tensors[C.layer_tensor_name(l, C.POSITIONS)].shape[0] for l in range(header.num_layers))
 
 
 class _Progress:

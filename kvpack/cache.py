@@ -151,6 +151,9 @@ class KvpackCache(Cache):
                   sliding_layers: tuple[int, ...] = ()) -> "KvpackCache":
         """Lay a ``Pack`` out as padded per-layer tensors on ``device`` (cast to ``dtype`` if given).
 
+        A quantized layer is dequantized first (on CPU, ``kvpack.quant``: ``code x scale + min`` in float32, then
+        ``dtype``), so the cache holds ordinary full-precision tensors.
+
         Raises ``InputError`` if the pack has no layers.
         """
         if not pack.layers:
@@ -158,6 +161,8 @@ class KvpackCache(Cache):
         layers = []
         n = pack.original_tokens
         for idx, entries in enumerate(pack.layers):
+            if entries.quant is not None:
+                entries = entries.dequantized(dtype)
             lengths = entries.head_lengths.tolist()
             heads, longest = len(lengths), max(lengths) if lengths else 0
             kd, vd = entries.keys.shape[-1], entries.values.shape[-1]

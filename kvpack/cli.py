@@ -18,14 +18,16 @@ from pathlib import Path
 import click
 
 from . import __version__
+from . import constants as C
 from .build import build as build_packs
 from .build import check_compatible, check_pack, default_out_dir, discover_contexts
 from .compress import DEFAULT_CHUNK_SIZE, DEFAULT_RATIO
-from .errors import KvpackError
+from .errors import InputError, KvpackError
 from .fileformat import load_pack, read_header
 from .generation import generate
 from .loading import cache_from_pack
 from .methods import METHODS
+from .methods.base import SCOPES
 from .model import load_model
 
 __all__ = ["cli", "main"]
@@ -68,6 +70,48 @@ def cli():
 # ---------------------------------------------------------------------------------------------------------------
 # build
 
+#: CLI option -> method parameter; each method takes the parameters its class declares (``kvpack.methods``).
+_METHOD_FLAGS = {"sink": "--sink", "recent_ratio": "--recent-ratio", "merge": "--merge/--no-merge",
+                 "beta": "--beta", "budget": "--budget", "window": "--window", "question": "--question",
+                 "seed": "--seed"}
+
+
+def _method_options(f):
+    opts = [
+        click.option("--seed", type=int, default=None, help="random: seed [default: 0]."),
+        click.option("--question", default=None, metavar="TEXT",
+                     help="snapkv, pyramidkv: observe this question instead of the context's tail (query-aware)."),
+        click.option("--window", type=click.IntRange(min=1), default=None,
+                     help="snapkv, pyramidkv: observation window in tokens [default: 64]."),
+        click.option("--budget", type=click.Choice(SCOPES), default=None,
+                     help="h2o, snapkv, knorm, random (any), pyramidkv (layer or head): scope of the top-k; "
+                          "global gives heads non-uniform budgets [default: head]."),
+        click.option("--beta", type=float, default=None,
+                     help="d2o: EMA weight of the merge threshold [default: 0.7]; pyramidkv: pyramid steepness "
+                          "[default: 20]."),
+        click.option("--merge/--no-merge", default=None, help="d2o: merge evicted entries into kept ones "
+                                                              "[default: merge]."),
+        click.option("--recent-ratio", type=float, default=None,
+                     help="d2o: recent window's share of a head's non-sink budget, M/(N+M) [default: 0.25, N:M=3:1]."),
+        click.option("--sink", type=click.IntRange(min=0), default=None,
+                     help="d2o, streaming: attention-sink tokens kept at the start of the context [default: 4]."),
+    ]
+    for opt in opts:
+        f = opt(f)
+    return f
+
+
+def _method_params(method: str, given: dict) -> dict:
+    """The method options given on the command line; ``InputError`` for one the method does not take."""
+    given = {k: v for k, v in given.items() if v is not None}
+    takes = METHODS[method].parameter_names()
+    wrong = [_METHOD_FLAGS[k] for k in given if k not in takes]
+    if wrong:
+        own = [_METHOD_FLAGS[k] for k in takes if k in _METHOD_FLAGS]
+        raise InputError(f"--method {method} does not take {', '.join(wrong)} "
+                         f"({'its options: ' + ', '.join(own) if own else 'it has no method options'})")
+    return given
+
 
 @cli.command()
 @click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
@@ -82,23 +126,37 @@ def cli():
 @_model_options
 @click.option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE, show_default=True,
               help="Tokens per prefill and scoring chunk (bounds memory).")
+@click.option("--quant", type=click.Choice(C.QUANT_CHOICES), default=C.QUANT_NONE, show_default=True,
+              help="Quantize the kept KV (KIVI layout: keys per channel, values per token; the attention sink and "
+                   "each head's last partial group stay in full precision).")
+@click.option("--group-size", type=click.Choice([str(g) for g in C.GROUP_SIZES]), default=str(C.DEFAULT_GROUP_SIZE),
+              show_default=True, help="Quantization group: tokens per key scale, channels per value scale.")
+@click.option("--zstd-level", type=click.IntRange(0, C.ZSTD_MAX_LEVEL), default=C.DEFAULT_ZSTD_LEVEL,
+              show_default=True, help="zstd-compress each tensor at this level (0: off; a level-0 unquantized "
+                                      "pack is a version-1 file).")
 @click.option("--overwrite", is_flag=True, help="Rebuild packs that are already up to date.")
-def build(inputs, model_name, method, ratio, out_dir, device, dtype, chunk_size, overwrite):
+@_method_options
+def build(inputs, model_name, method, ratio, out_dir, device, dtype, chunk_size, quant, group_size, zstd_level,
+          overwrite, **method_options):
     """Compress each document in INPUT... into <name>.kvpack.
 
     INPUT is .txt/.md files (one document each, named after the file), .jsonl files (one document per line:
     {"id": ..., "text": ...}, named <file>-<id> or <file>-<line>) or folders of them, walked recursively.
-    Packs that are already up to date (same text, method, ratio and model) are skipped.
+    Packs that are already up to date (same text, method, parameters, ratio, quantization, zstd level and model)
+    are skipped.
+    The method options below apply to the methods named in their help; giving one to another method is an error.
     """
     from tqdm import tqdm
 
+    options = _method_params(method, method_options)
     contexts = discover_contexts(inputs)
     out = Path(out_dir) if out_dir is not None else default_out_dir(inputs)
     model, tokenizer = _load(model_name, device, dtype)
     bar = functools.partial(tqdm, unit="tok", unit_scale=True, desc="compressing",
                             file=sys.stderr, dynamic_ncols=True)
     results = build_packs(contexts, model, tokenizer, out_dir=out, method=method, ratio=ratio,
-                          chunk_size=chunk_size, overwrite=overwrite, progress_factory=bar)
+                          chunk_size=chunk_size, overwrite=overwrite, progress_factory=bar, quant=quant,
+                          group_size=int(group_size), zstd_level=zstd_level, **options)
     rows = [(r.name, f"{r.tokens:,}", f"{r.entries_kept:,}", f"{r.bytes_written:,}", f"{r.seconds:.2f}",
              "skipped (up to date)" if r.skipped else "built") for r in results]
     click.echo(_table(("context", "tokens", "entries kept", "bytes", "seconds", "status"), rows,
@@ -143,9 +201,14 @@ def info(file):
         ("method", f"{meta.get('method', '?')}"
                    + (f" ({', '.join(f'{k}={v}' for k, v in sorted(params.items()))})" if params else "")),
         ("ratio", str(meta.get("ratio", "?"))),
+        ("quantization", (f"{header.quant_type}, group size {header.group_size} (keys per channel, values per "
+                          "token; sink and residual rows in full precision)") if header.group_size else "none"),
+        ("zstd", (f"level {header.zstd_level}: {header.file_bytes:,} bytes on disk, "
+                  f"{header.header_bytes + header.raw_bytes:,} decoded") if header.zstd_level else "off"),
         ("tokens", f"{pack.original_tokens:,} ({pack.sink_tokens:,} sink + "
                    f"{pack.original_tokens - pack.sink_tokens:,} context)"),
         ("entries kept", _kept(pack, stats)),
+        *_budget_rows(stats),
         ("source", f"{source.get('name', '?')} (sha256 {_short(source.get('sha256'))}, "
                    f"{source.get('chars', '?'):,} chars)" if isinstance(source.get("chars"), int)
                    else f"{source.get('name', '?')} (sha256 {_short(source.get('sha256'))})"),
@@ -161,6 +224,15 @@ def info(file):
                            f"{int(hl.min()):,}", f"{float(hl.mean()):,.1f}", f"{int(hl.max()):,}"))
     click.echo(_table(("layer", "kind", "entries", "min", "mean", "max"), layer_rows, right=(0, 2, 3, 4, 5),
                       indent="  "))
+    errors = stats.get("quant_error")
+    if isinstance(errors, list) and errors and all(isinstance(e, dict) for e in errors):
+        click.echo("\nquantization error per layer (|dequantized - original| over all entries, KV units)")
+        err_rows = [(str(e.get("layer", "?")), *(_num(e.get(k)) for k in (
+            "key_max_abs", "key_mean_abs", "value_max_abs", "value_mean_abs")),
+            _num(100 * e["quantized_fraction"]) + "%" if isinstance(e.get("quantized_fraction"), (int, float))
+            else "?") for e in errors]
+        click.echo(_table(("layer", "key max", "key mean", "value max", "value mean", "quantized"), err_rows,
+                          right=(0, 1, 2, 3, 4, 5), indent="  "))
 
     click.echo("\nbytes by section")
     sections = header.bytes_by_section()
@@ -169,12 +241,31 @@ def info(file):
     click.echo(_table(("section", "bytes", "share"), sec_rows, right=(1, 2), indent="  "))
 
 
+def _num(x) -> str:
+    return f"{x:.4g}" if isinstance(x, (int, float)) and not isinstance(x, bool) else "?"
+
+
 def _kept(pack, stats: dict) -> str:
     total = f"{pack.kept_entries():,} stored"
     kept, entries = stats.get("context_entries_kept"), stats.get("context_entries")
     if isinstance(kept, int) and isinstance(entries, int) and entries:
         return f"{total}; context: {kept:,} of {entries:,} ({100 * kept / entries:.1f}%), sink always kept"
     return total
+
+
+def _budget_rows(stats: dict) -> list[tuple[str, str]]:
+    """``layer budgets`` (context entries kept per compressed layer) and D2O's ``merged`` line, when recorded."""
+    rows = []
+    budgets = stats.get("layer_budgets")
+    if isinstance(budgets, list) and budgets:
+        rows.append(("layer budgets", f"{', '.join(f'{b:,}' for b in budgets)} context entries "
+                                      "(per compressed layer, sink not counted)"))
+    merge = stats.get("merge")
+    if isinstance(merge, dict):
+        rows.append(("merged", f"{merge.get('merged', '?'):,} evicted entries merged into kept ones, "
+                               f"{merge.get('dropped', '?'):,} dropped"
+                     if all(isinstance(merge.get(k), int) for k in ("merged", "dropped")) else str(merge)))
+    return rows
 
 
 def _short(digest) -> str:

@@ -8,14 +8,16 @@ from typing import Callable
 import torch
 
 from . import __version__
+from . import constants as C
 from .errors import InputError
 from .fingerprint import model_fingerprint
 from .layout import chat_layout
 from .methods import get_method
-from .methods.base import gather, select_global
+from .methods.base import gather
 from .model import model_spec
 from .pack import Pack
 from .prefill import prefill
+from .quant import check_quant_args, quantize_pack
 
 __all__ = ["compress", "DEFAULT_RATIO", "DEFAULT_CHUNK_SIZE"]
 
@@ -25,29 +27,40 @@ DEFAULT_CHUNK_SIZE = 2048
 
 def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float = DEFAULT_RATIO,
              chunk_size: int = DEFAULT_CHUNK_SIZE, source_name: str = "<text>",
-             progress: Callable[[int], None] | None = None, **options) -> Pack:
+             progress: Callable[[int], None] | None = None, quant: str = C.QUANT_NONE,
+             group_size: int = C.DEFAULT_GROUP_SIZE, **options) -> Pack:
     """Compress the KV cache of ``text`` for ``model`` (query-agnostic: any later question can be asked).
 
     The text is laid out as the start of a chat user turn (``kvpack.layout``); the template prefix is the
-    attention sink, kept in every head. The context is prefilled in chunks of ``chunk_size`` tokens, each
-    full-attention layer's entries are scored by ``method``, and the top ``round(ratio x entries)`` context
-    entries over all layers x KV heads x positions are kept (per-head budgets; KVzip, arXiv 2505.23416 §3.3).
+    attention sink, kept in every head. The context is prefilled in chunks of ``chunk_size`` tokens (recording the
+    prefill attention statistics the method needs), each full-attention layer's entries are scored by ``method``,
+    and ``round(ratio x entries)`` context entries over all layers x KV heads x positions are kept, chosen by the
+    method's budget scope (``kvpack.methods.base``: KVzip's is global, so heads get their own budgets,
+    arXiv 2505.23416 §3.3). A method may then change the kept entries (D2O merges evicted ones into them).
 
     Args:
         model, tokenizer: from ``kvpack.load_model`` or transformers.
         text: the context (a document), non-empty.
         method: a name from ``kvpack.methods.METHODS``.
-        ratio: compression ratio = fraction of context KV entries kept, in (0, 1]; 1.0 keeps everything.
+        ratio: compression ratio = fraction of context KV entries kept, in (0, 1]; 1.0 keeps everything
+            (method ``none`` always keeps everything and records 1.0).
         chunk_size: tokens per prefill and scoring chunk (bounds memory).
         source_name: recorded in the pack (the file name for ``kvpack build``).
         progress: called with the number of context tokens processed, per stage.
-        **options: the method's parameters (see its class docstring).
+        quant: ``"none"`` (default), ``"int8"`` or ``"int4"``: after selection, quantize each head's kept entries
+            except the attention sink and the last ``(n - sink) mod group_size`` (KIVI layout, arXiv 2402.02750;
+            ``kvpack.quant``); the per-layer max and mean absolute errors go to ``metadata["stats"]["quant_error"]``.
+        group_size: quantization group ``G``: 32 (default), 64 or 128 tokens per key group; values use
+            ``min(G, head_dim)`` channels per group.
+        **options: the method's parameters (see its class docstring); a method with a ``chunk_size``
+            parameter (KVzip) defaults it to ``chunk_size``.
 
     Returns:
         A ``Pack`` (in memory); ``kvpack.save`` writes it.
 
     Raises:
-        InputError: empty text, ratio outside (0, 1], chunk_size < 1, unknown method or option.
+        InputError: empty text, ratio outside (0, 1], chunk_size < 1, unknown method or option, unknown quant,
+            group size not in (32, 64, 128) or not fitting the head size.
         UnsupportedModelError: the model's architecture is not supported.
     """
     if not isinstance(text, str) or not text.strip():
@@ -56,10 +69,11 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
         raise InputError(f"ratio must be in (0, 1] (the fraction of KV entries kept), got {ratio!r}")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise InputError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}")
-    if method == "kvzip":
-        options.setdefault("chunk_size", chunk_size)
-    scorer = get_method(method, **options)
+    scorer = get_method(method, {"chunk_size": chunk_size}, **options)
+    ratio = scorer.kept_ratio(ratio)
     spec = model_spec(model)
+    if quant != C.QUANT_NONE:
+        check_quant_args(quant, group_size, spec.head_dim, spec.head_dim, allowed_group_sizes=C.GROUP_SIZES)
     layout = chat_layout(tokenizer)
     prefix_ids = layout.prefix_ids(tokenizer)
     context_ids = layout.encode(tokenizer, text)
@@ -73,13 +87,18 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
     if spec.sliding_window and not spec.sliding_layers and len(token_ids) >= spec.sliding_window:
         raise InputError(f"{source_name}: {len(token_ids)} tokens exceed the model's {spec.sliding_window}-token "
                          "sliding window, which every layer uses; split the document")
-    full = prefill(model, token_ids, len(prefix_ids), layout, spec, chunk_size, progress)
-    if ratio >= 1.0:
-        keep = torch.ones(len(spec.compressed_layers), spec.num_kv_heads, full.context_tokens, dtype=torch.bool)
-    else:
+    compressing = ratio < 1.0
+    device = next(model.parameters()).device
+    recorder = scorer.recorder(spec, len(token_ids), device) if compressing else None
+    observed = scorer.observed_ids(tokenizer, layout) if recorder is not None else None
+    full = prefill(model, token_ids, len(prefix_ids), layout, spec, chunk_size, progress, recorder, observed)
+    if compressing:
         scores = scorer.score(model, tokenizer, full, progress)
-        keep = select_global(scores, ratio)
+        keep = scorer.select(scores, ratio, full)
+    else:
+        keep = torch.ones(len(spec.compressed_layers), spec.num_kv_heads, full.context_tokens, dtype=torch.bool)
     layers = gather(full, keep)
+    merge_stats = scorer.update_entries(full, keep, layers) if compressing else {}
     kv_dtype = layers[0].keys.dtype
     metadata = {
         "method": scorer.name,
@@ -93,7 +112,11 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
                         for l in range(spec.num_layers)],
         "kvpack_version": __version__,
         "stats": {"context_tokens": full.context_tokens, "sink_tokens": full.sink,
-                  "context_entries": int(keep.numel()), "context_entries_kept": int(keep.sum())},
+                  "context_entries": int(keep.numel()), "context_entries_kept": int(keep.sum()),
+                  "layer_budgets": [int(b) for b in keep.sum(dim=(1, 2))]},
     }
-    return Pack(token_ids=torch.tensor(token_ids, dtype=torch.int64), layers=layers, sink_tokens=full.sink,
+    if merge_stats:
+        metadata["stats"]["merge"] = merge_stats
+    pack = Pack(token_ids=torch.tensor(token_ids, dtype=torch.int64), layers=layers, sink_tokens=full.sink,
                 metadata=metadata)
+    return quantize_pack(pack, quant, group_size)

@@ -1,10 +1,13 @@
 """Every fixed value of the ``.kvpack`` file format (``format/SPEC.md``). Reader and writer define none of their own.
 
-A ``.kvpack`` v1 file is a safetensors file whose JSON header is serialised canonically, so it always starts with
-``MAGIC`` at byte ``MAGIC_OFFSET``.
+A ``.kvpack`` file is a safetensors file whose JSON header is serialised canonically, so it always starts with
+``MAGIC`` at byte ``MAGIC_OFFSET``. Version 2 adds quantized KV (``QUANT_TYPES``) and zstd-compressed tensors
+(``CODEC_ZSTD``); a file declares the lowest version whose features it uses.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -51,15 +54,57 @@ __all__ = [
     "TEMP_INFIX",
     "TEMP_RANDOM_BYTES",
     "TEMP_FILE_MODE",
+    "FORMAT_VERSION_PLAIN",
+    "FORMAT_VERSION_V2",
+    "META_QUANT",
+    "META_TENSOR_CODECS",
+    "METADATA_KEYS_V2",
+    "QuantType",
+    "QUANT_NONE",
+    "QUANT_TYPES",
+    "QUANT_CHOICES",
+    "GROUP_SIZES",
+    "DEFAULT_GROUP_SIZE",
+    "MAX_GROUP_SIZE",
+    "QUANT_INFO_KEYS",
+    "KEY_CODES",
+    "KEY_SCALES",
+    "KEY_MINS",
+    "VALUE_CODES",
+    "VALUE_SCALES",
+    "VALUE_MINS",
+    "QUANT_PARTS",
+    "QUANT_CODE_CODE",
+    "QUANT_PARAM_CODE",
+    "QUANT_PARAM_MAX",
+    "CODEC_ZSTD",
+    "FILTER_NONE",
+    "FILTER_SHUFFLE",
+    "FILTER_DELTA_SHUFFLE",
+    "FILTERS",
+    "CODEC_KEYS",
+    "STORED_CODE",
+    "ZSTD_MIN_LEVEL",
+    "ZSTD_MAX_LEVEL",
+    "DEFAULT_ZSTD_LEVEL",
+    "SAVE_DEFAULT_ZSTD_LEVEL",
+    "ZSTD_FRAME_MAGIC",
+    "MAX_EXPANSION",
+    "EXPANSION_FLOOR_BYTES",
 ]
 
 # --- identity and versions -------------------------------------------------------------------------------------
 #: Value of ``__metadata__["format"]``.
 FORMAT_NAME = "kvpack"
-#: The version this code writes (``__metadata__["format_version"]`` is its decimal string).
-FORMAT_VERSION = 1
+#: The newest version this code writes (``__metadata__["format_version"]`` is its decimal string). A file
+#: declares the *lowest* version whose features it uses: ``FORMAT_VERSION_PLAIN`` without quantization and zstd.
+FORMAT_VERSION = 2
 #: The newest version this code reads; newer files raise ``UnsupportedVersionError``.
-MAX_READABLE_VERSION = 1
+MAX_READABLE_VERSION = 2
+#: Version of a file with neither quantized layers nor encoded tensors (byte-identical to kvpack 0.1's files).
+FORMAT_VERSION_PLAIN = 1
+#: Version of a file that uses quantization (``META_QUANT``) or encoded tensors (``META_TENSOR_CODECS``).
+FORMAT_VERSION_V2 = 2
 #: Conventional file name suffix.
 FILE_SUFFIX = ".kvpack"
 
@@ -91,8 +136,15 @@ META_HEADER_SHA256 = "header_sha256"
 META_KVPACK = "kvpack"
 #: Canonical JSON string mapping every tensor name to the SHA-256 (hex) of its bytes.
 META_TENSOR_SHA256 = "tensor_sha256"
-#: The ``__metadata__`` keys of a v1 file, in serialised order.
+#: The ``__metadata__`` keys every file has, in serialised order.
 METADATA_KEYS = (META_FORMAT, META_FORMAT_VERSION, META_HEADER_SHA256, META_KVPACK, META_TENSOR_SHA256)
+#: v2, optional: canonical JSON ``{"group_size": G, "type": "int8"|"int4"}``; present iff the layers are quantized.
+META_QUANT = "quant"
+#: v2, optional: canonical JSON mapping each encoded tensor's name to its ``CODEC_KEYS`` object; present iff at
+#: least one tensor is stored encoded (zstd).
+META_TENSOR_CODECS = "tensor_codecs"
+#: The optional ``__metadata__`` keys a v2 file may have (both sort after ``format``, so the magic is kept).
+METADATA_KEYS_V2 = (META_QUANT, META_TENSOR_CODECS)
 #: Key of the kvpack metadata that holds ``Pack.sink_tokens``.
 SINK_TOKENS_KEY = "sink_tokens"
 #: Keys of one tensor index entry (safetensors).
@@ -122,7 +174,7 @@ SECTION_HEADER = "header"
 SECTIONS = (SECTION_HEADER, TOKEN_IDS, HEAD_LENGTHS, KEYS, VALUES, POSITIONS)
 
 # --- dtypes ----------------------------------------------------------------------------------------------------
-#: safetensors dtype code -> torch dtype, for every code a v1 index may name.
+#: safetensors dtype code -> torch dtype, for every code an index may name.
 DTYPE_BY_CODE = {
     "F32": torch.float32,
     "F16": torch.float16,
@@ -137,6 +189,81 @@ FLOAT_CODES = ("F32", "F16", "BF16")
 #: Code of token_ids, head_lengths and positions.
 INDEX_INT_CODE = "I32"
 INT32_MAX = 2**31 - 1
+
+# --- quantization (v2; KIVI, arXiv 2402.02750) -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantType:
+    """A quantization type: ``name``, ``bits`` per code and ``codes_per_byte`` (codes packed in one uint8)."""
+
+    name: str
+    bits: int
+    codes_per_byte: int
+
+    @property
+    def levels(self) -> int:
+        """Largest code, ``2**bits - 1`` (codes run over ``0 .. levels``)."""
+        return (1 << self.bits) - 1
+
+
+#: No quantization: keys and values are stored in the pack's float dtype (a v1 layout).
+QUANT_NONE = "none"
+#: Quantized types. int4: two codes per byte, the even channel in the low nibble, the odd one in the high nibble.
+QUANT_TYPES = {
+    "int8": QuantType("int8", 8, 1),
+    "int4": QuantType("int4", 4, 2),
+}
+#: What ``--quant`` accepts.
+QUANT_CHOICES = (QUANT_NONE, "int8", "int4")
+#: Group sizes ``kvpack.compress`` and ``kvpack build --group-size`` accept; 32 is KIVI's default.
+GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 32
+#: Largest group size a reader accepts (any integer in ``[1, MAX_GROUP_SIZE]`` is a valid file).
+MAX_GROUP_SIZE = 65536
+#: Keys of the ``META_QUANT`` object.
+QUANT_INFO_KEYS = ("group_size", "type")
+#: Per-layer tensors of a quantized file (besides ``LAYER_PARTS``): codes are ``U8``, scales and mins ``F16``.
+KEY_CODES = "key_codes"
+KEY_SCALES = "key_scales"
+KEY_MINS = "key_mins"
+VALUE_CODES = "value_codes"
+VALUE_SCALES = "value_scales"
+VALUE_MINS = "value_mins"
+QUANT_PARTS = (KEY_CODES, KEY_SCALES, KEY_MINS, VALUE_CODES, VALUE_SCALES, VALUE_MINS)
+#: dtype code of the codes, and of the scales and mins.
+QUANT_CODE_CODE = "U8"
+QUANT_PARAM_CODE = "F16"
+#: Scales and mins are clamped to the finite float16 range ``[-QUANT_PARAM_MAX, QUANT_PARAM_MAX]``.
+QUANT_PARAM_MAX = 65504.0
+
+# --- tensor codecs (v2) ----------------------------------------------------------------------------------------
+#: The one codec: a single zstd frame (RFC 8878) with its content size in the frame header.
+CODEC_ZSTD = "zstd"
+#: Filters applied to the raw little-endian bytes before zstd (and undone after decompressing).
+FILTER_NONE = "none"
+#: Element size k > 1: byte j of every element first, for j = 0 .. k-1 (the HDF5/Blosc byte shuffle).
+FILTER_SHUFFLE = "shuffle"
+#: I32 only: element 0 kept, element i replaced by ``x[i] - x[i-1]`` (two's complement, wrapping), then shuffled.
+FILTER_DELTA_SHUFFLE = "delta_shuffle"
+FILTERS = (FILTER_NONE, FILTER_SHUFFLE, FILTER_DELTA_SHUFFLE)
+#: Keys of one ``META_TENSOR_CODECS`` entry.
+CODEC_KEYS = ("codec", "dtype", "filter", "level", "raw_bytes", "shape")
+#: Index dtype code of an encoded tensor (its index shape is ``[stored bytes]``).
+STORED_CODE = "U8"
+#: zstd levels ``kvpack.save`` accepts; 0 means no compression.
+ZSTD_MIN_LEVEL = 1
+ZSTD_MAX_LEVEL = 22
+#: ``kvpack build --zstd-level`` default.
+DEFAULT_ZSTD_LEVEL = 3
+#: ``kvpack.save`` / ``pack_to_bytes`` default: plain (v1 when unquantized) files, readable by every kvpack.
+SAVE_DEFAULT_ZSTD_LEVEL = 0
+#: The first 4 bytes of a zstd frame (0xFD2FB528 little-endian).
+ZSTD_FRAME_MAGIC = b"\x28\xb5\x2f\xfd"
+#: A reader refuses a file whose tensors decompress to more than
+#: ``max(EXPANSION_FLOOR_BYTES, MAX_EXPANSION x file size)`` bytes in all (decompression-bomb guard).
+MAX_EXPANSION = 1024
+EXPANSION_FLOOR_BYTES = 1 << 26
 
 # --- saving ----------------------------------------------------------------------------------------------------
 #: ``save`` writes ``<target name>.tmp.<pid>.<random>`` first (matched by ``*.kvpack.tmp*`` in .gitignore).

@@ -1,8 +1,12 @@
-"""Read and write ``.kvpack`` v1 files: a canonical, checksummed safetensors container (spec: ``format/SPEC.md``).
+"""Read and write ``.kvpack`` files: a canonical, checksummed safetensors container (spec: ``format/SPEC.md``).
 
-Writing is deterministic (the same ``Pack`` always gives the same bytes). Reading validates every length, offset,
-shape and checksum before any tensor is handed out, and every failure is a ``PackFormatError`` subclass (or
-``InputError`` for a path that cannot be read) whose message names the file, the problem and the fix.
+Writing is deterministic (the same ``Pack`` and settings always give the same bytes). Reading validates every
+length, offset, shape and checksum before any tensor is handed out, and every failure is a ``PackFormatError``
+subclass (or ``InputError`` for a path that cannot be read) whose message names the file, the problem and the fix.
+
+A file is version 1 unless it uses a version-2 feature: quantized layers (``kvpack.quant``) or zstd-compressed
+tensors (``save(..., zstd_level=N)``). Compressed tensors are decoded only after their SHA-256 matched and their
+zstd frame declared exactly the size the header records, so a damaged or hostile frame never allocates more.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 import torch
+import zstandard
 
 from kvpack import constants as C
 from kvpack.errors import (
@@ -27,9 +32,10 @@ from kvpack.errors import (
     TruncatedFileError,
     UnsupportedVersionError,
 )
-from kvpack.pack import LayerEntries, Pack
+from kvpack.pack import LayerEntries, Pack, QuantizedRows
+from kvpack.quant import layer_quant_problem, split_lengths, value_group_size
 
-__all__ = ["TensorInfo", "PackHeader", "pack_to_bytes", "save", "load_pack", "read_header", "verify"]
+__all__ = ["TensorCodec", "TensorInfo", "PackHeader", "pack_to_bytes", "save", "load_pack", "read_header", "verify"]
 
 Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]
 
@@ -43,23 +49,47 @@ _UPGRADE = "upgrade kvpack (`pip install -U kvpack`)"
 
 
 @dataclass(frozen=True)
-class TensorInfo:
-    """One entry of the tensor index.
+class TensorCodec:
+    """How an encoded tensor is stored (v2, ``format/SPEC.md`` section 5.5).
 
     Attributes:
-        dtype: dtype code, one of ``constants.DTYPE_BY_CODE`` (``"F32"``, ``"BF16"``, ``"I32"``, ...).
-        shape: tensor shape.
-        offsets: ``(begin, end)`` byte offsets into the data buffer (which starts right after the header).
+        codec: ``"zstd"``: the stored bytes are one zstd frame (RFC 8878) declaring its content size.
+        filter: ``"none"``, ``"shuffle"`` or ``"delta_shuffle"``, applied to the raw bytes before compressing.
+        level: the zstd level the writer used (informational; decoding does not need it).
+    """
+
+    codec: str
+    filter: str
+    level: int
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the file, as the header describes it.
+
+    Attributes:
+        dtype: the tensor's dtype code, one of ``constants.DTYPE_BY_CODE`` (``"F32"``, ``"BF16"``, ``"I32"``, ...).
+        shape: the tensor's shape.
+        offsets: ``(begin, end)`` byte offsets of its stored bytes in the data buffer (which starts right after the
+            header).
+        codec: ``None`` if the bytes are stored raw; else how they are encoded (the index entry then says ``U8``,
+            ``[stored bytes]``, and ``dtype``/``shape`` come from ``__metadata__.tensor_codecs``).
     """
 
     dtype: str
     shape: tuple[int, ...]
     offsets: tuple[int, int]
+    codec: TensorCodec | None = None
 
     @property
     def nbytes(self) -> int:
-        """Size of the tensor's data in bytes."""
+        """Size of the tensor's stored data in bytes (compressed size for an encoded tensor)."""
         return self.offsets[1] - self.offsets[0]
+
+    @property
+    def raw_nbytes(self) -> int:
+        """Size of the tensor's decoded data in bytes: ``numel x itemsize``."""
+        return math.prod(self.shape) * C.DTYPE_BY_CODE[self.dtype].itemsize
 
 
 @dataclass
@@ -67,11 +97,13 @@ class PackHeader:
     """The validated header of a ``.kvpack`` file (what ``read_header`` and ``verify`` return).
 
     Attributes:
-        format_version: the file's format version (an int, 1 for every file this code writes).
+        format_version: the file's format version: 1, or 2 when it uses quantization or zstd.
         metadata: the kvpack metadata: ``Pack.metadata`` plus ``"sink_tokens"``.
         tensors: tensor name -> ``TensorInfo``, in data order.
         header_bytes: bytes before the data buffer (8-byte length prefix + padded JSON header).
         file_bytes: size of the whole file in bytes.
+        quant_type: ``"none"``, ``"int8"`` or ``"int4"``.
+        group_size: the quantization group size ``G``, or ``None`` when not quantized.
     """
 
     format_version: int
@@ -79,6 +111,18 @@ class PackHeader:
     tensors: dict[str, TensorInfo]
     header_bytes: int
     file_bytes: int
+    quant_type: str = C.QUANT_NONE
+    group_size: int | None = None
+
+    @property
+    def zstd_level(self) -> int:
+        """The zstd level the tensors were compressed with (0: none is compressed)."""
+        return max((t.codec.level for t in self.tensors.values() if t.codec is not None), default=0)
+
+    @property
+    def raw_bytes(self) -> int:
+        """Bytes of all tensors once decoded (what loading allocates for them)."""
+        return sum(t.raw_nbytes for t in self.tensors.values())
 
     @property
     def num_layers(self) -> int:
@@ -96,11 +140,13 @@ class PackHeader:
         return self.tensors[C.TOKEN_IDS].shape[0]
 
     def bytes_by_section(self) -> dict[str, int]:
-        """Bytes per section: ``header``, ``token_ids``, ``head_lengths``, ``keys``, ``values``, ``positions``.
+        """Stored bytes per section: ``header``, ``token_ids``, ``head_lengths``, ``keys``, ``values``, ``positions``
+        and, in a quantized file, ``key_codes``, ``key_scales``, ``key_mins``, ``value_codes``, ``value_scales``,
+        ``value_mins``.
 
         Layer tensors are summed over layers by part. The values add up to ``file_bytes``.
         """
-        out = dict.fromkeys(C.SECTIONS, 0)
+        out = dict.fromkeys(C.SECTIONS + (C.QUANT_PARTS if self.quant_type != C.QUANT_NONE else ()), 0)
         out[C.SECTION_HEADER] = self.header_bytes
         for name, info in self.tensors.items():
             out[name.rsplit(".", 1)[-1]] += info.nbytes
@@ -111,15 +157,24 @@ class PackHeader:
 # writing
 
 
-def pack_to_bytes(pack: Pack) -> bytes:
-    """Serialise ``pack`` to the bytes of a ``.kvpack`` v1 file (deterministic: same pack, same bytes).
+def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL) -> bytes:
+    """Serialise ``pack`` to the bytes of a ``.kvpack`` file (deterministic: same pack and level, same bytes).
 
     ``token_ids``, ``head_lengths`` and ``positions`` are stored as int32; keys and values keep their dtype
-    (float32, float16 or bfloat16). Tuples in ``pack.metadata`` come back as lists.
+    (float32, float16 or bfloat16); a quantized pack adds its codes (uint8), scales and mins (float16) per layer.
+    Tuples in ``pack.metadata`` come back as lists.
+
+    Args:
+        pack: the pack.
+        zstd_level: 0 (default) stores every tensor raw; 1..22 stores every non-empty tensor as one zstd frame of
+            that level (after a byte shuffle, and a delta for positions; ``format/SPEC.md`` section 5.5). The
+            compressed bytes depend on the zstd library's version; decoding does not.
+
+    The file is format version 1 if the pack is not quantized and ``zstd_level`` is 0, else version 2.
 
     Raises:
         InputError: the pack is inconsistent (see ``load_pack`` for the rules), has a dtype the format cannot
-            hold, or its metadata is not plain JSON (or already has a ``sink_tokens`` key).
+            hold, or its metadata is not plain JSON (or already has a ``sink_tokens`` key); a bad ``zstd_level``.
     """
     problem = _pack_problem(pack)
     if problem is None and not isinstance(pack.metadata, dict):
@@ -128,6 +183,10 @@ def pack_to_bytes(pack: Pack) -> bytes:
         problem = f"pack.metadata must not contain {C.SINK_TOKENS_KEY!r} (it is written from pack.sink_tokens)"
     if problem is not None:
         raise InputError(f"cannot write this pack: {problem}")
+    if isinstance(zstd_level, bool) or not isinstance(zstd_level, int) or not (
+            zstd_level == 0 or C.ZSTD_MIN_LEVEL <= zstd_level <= C.ZSTD_MAX_LEVEL):
+        raise InputError(f"zstd_level must be 0 (off) or an integer in [{C.ZSTD_MIN_LEVEL}, {C.ZSTD_MAX_LEVEL}], "
+                         f"got {zstd_level!r}")
     try:
         kvpack_json = json.dumps({**pack.metadata, C.SINK_TOKENS_KEY: pack.sink_tokens}, **C.JSON_DUMPS_KWARGS)
     except (TypeError, ValueError) as exc:
@@ -138,29 +197,47 @@ def pack_to_bytes(pack: Pack) -> bytes:
 
     i32 = C.DTYPE_BY_CODE[C.INDEX_INT_CODE]
     tensors = {C.TOKEN_IDS: pack.token_ids.to(i32), C.HEAD_LENGTHS: pack.head_lengths().to(i32)}
+    quant = pack.layers[0].quant
     for l, layer in enumerate(pack.layers):
         tensors[C.layer_tensor_name(l, C.KEYS)] = layer.keys
         tensors[C.layer_tensor_name(l, C.VALUES)] = layer.values
         tensors[C.layer_tensor_name(l, C.POSITIONS)] = layer.positions.to(i32)
+        if layer.quant is not None:
+            for part in C.QUANT_PARTS:
+                tensors[C.layer_tensor_name(l, part)] = getattr(layer.quant, part)
+
+    stored, codecs = {}, {}
+    for name, tensor in tensors.items():
+        t = tensor.detach().cpu().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        if zstd_level and raw:
+            code = C.CODE_BY_DTYPE[t.dtype]
+            filt = _writer_filter(name, code)
+            blob = _encode(raw, code, filt, zstd_level)
+            stored[name] = (C.STORED_CODE, [len(blob)], blob)
+            codecs[name] = {"codec": C.CODEC_ZSTD, "dtype": code, "filter": filt, "level": zstd_level,
+                            "raw_bytes": len(raw), "shape": list(t.shape)}
+        else:
+            stored[name] = (C.CODE_BY_DTYPE[t.dtype], list(t.shape), raw)
 
     blobs, index, end = [], {}, 0
-    for name in sorted(tensors, key=lambda n: (-tensors[n].dtype.itemsize, n)):
-        t = tensors[name].detach().cpu().contiguous()
-        blob = t.reshape(-1).view(torch.uint8).numpy().tobytes()
-        index[name] = {
-            C.INDEX_DTYPE: C.CODE_BY_DTYPE[t.dtype],
-            C.INDEX_SHAPE: list(t.shape),
-            C.INDEX_OFFSETS: [end, end + len(blob)],
-        }
+    for name in sorted(stored, key=lambda n: (-C.DTYPE_BY_CODE[stored[n][0]].itemsize, n)):
+        code, shape, blob = stored[name]
+        index[name] = {C.INDEX_DTYPE: code, C.INDEX_SHAPE: shape, C.INDEX_OFFSETS: [end, end + len(blob)]}
         blobs.append((name, blob))
         end += len(blob)
 
+    v2 = quant is not None or bool(codecs)
     meta = {
         C.META_FORMAT: C.FORMAT_NAME,
-        C.META_FORMAT_VERSION: str(C.FORMAT_VERSION),
+        C.META_FORMAT_VERSION: str(C.FORMAT_VERSION_V2 if v2 else C.FORMAT_VERSION_PLAIN),
         C.META_KVPACK: kvpack_json,
         C.META_TENSOR_SHA256: json.dumps({n: _sha256(b) for n, b in blobs}, **C.JSON_DUMPS_KWARGS),
     }
+    if quant is not None:
+        meta[C.META_QUANT] = json.dumps({"group_size": quant.group_size, "type": quant.qtype}, **C.JSON_DUMPS_KWARGS)
+    if codecs:
+        meta[C.META_TENSOR_CODECS] = json.dumps(codecs, **C.JSON_DUMPS_KWARGS)
     header = {C.METADATA_KEY: meta, **index}
     meta[C.META_HEADER_SHA256] = _sha256(_canonical(header))
     text = _padded(_canonical(header))
@@ -169,8 +246,12 @@ def pack_to_bytes(pack: Pack) -> bytes:
     return len(text).to_bytes(C.LENGTH_PREFIX_BYTES, "little") + text + b"".join(b for _, b in blobs)
 
 
-def save(pack: Pack, path: str | os.PathLike) -> int:
+def save(pack: Pack, path: str | os.PathLike, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL) -> int:
     """Write ``pack`` to ``path`` atomically and return the number of bytes written.
+
+    ``zstd_level`` (default 0: off, so an unquantized pack gives a version-1 file that every kvpack and plain
+    safetensors tools read tensor by tensor) compresses each tensor with zstd at that level (1..22; ``kvpack
+    build`` uses 3); see ``pack_to_bytes``.
 
     The bytes go to ``<path>.tmp.<pid>.<random>`` in the same folder, are flushed and fsynced, and the temporary
     file is then renamed over ``path`` with ``os.replace``. On any error the temporary file is removed and an
@@ -180,7 +261,7 @@ def save(pack: Pack, path: str | os.PathLike) -> int:
         InputError: the pack cannot be written (see ``pack_to_bytes``) or the file cannot be created
             (missing folder, no permission, disk full).
     """
-    data = pack_to_bytes(pack)
+    data = pack_to_bytes(pack, zstd_level)
     try:
         target = os.fspath(path)
     except TypeError as exc:
@@ -310,18 +391,28 @@ def _load(source: Source) -> tuple[PackHeader, Pack]:
                 f"{src.name}: section {section!r} (tensor {name!r}) does not match its SHA-256: "
                 f"the file was altered or damaged; {_RECOPY}"
             )
-    t = {name: _tensor(data, info) for name, info in header.tensors.items()}
+    t = {name: _tensor(data, info, src.name, name) for name, info in header.tensors.items()}
     meta = dict(header.metadata)
     sink = meta.pop(C.SINK_TOKENS_KEY)
-    layers = [
-        LayerEntries(
+    layers = []
+    for l in range(header.num_layers):
+        positions = t[C.layer_tensor_name(l, C.POSITIONS)]
+        head_lengths = t[C.HEAD_LENGTHS][l].to(torch.int64)
+        quant = None
+        if header.group_size is not None:
+            if int(head_lengths.min()) >= 0 and int(head_lengths.sum()) == positions.shape[0]:
+                sinks, body, _ = split_lengths(positions, head_lengths, sink, header.group_size)
+            else:  # _pack_problem reports the bad head lengths below
+                sinks = body = torch.zeros_like(head_lengths)
+            parts = [t[C.layer_tensor_name(l, part)] for part in C.QUANT_PARTS]
+            quant = QuantizedRows(header.quant_type, header.group_size, sinks, body, *parts)
+        layers.append(LayerEntries(
             keys=t[C.layer_tensor_name(l, C.KEYS)],
             values=t[C.layer_tensor_name(l, C.VALUES)],
-            positions=t[C.layer_tensor_name(l, C.POSITIONS)],
-            head_lengths=t[C.HEAD_LENGTHS][l].to(torch.int64),
-        )
-        for l in range(header.num_layers)
-    ]
+            positions=positions,
+            head_lengths=head_lengths,
+            quant=quant,
+        ))
     pack = Pack(token_ids=t[C.TOKEN_IDS].to(torch.int64), layers=layers, sink_tokens=sink, metadata=meta)
     problem = _pack_problem(pack)
     if problem is not None:
@@ -329,13 +420,14 @@ def _load(source: Source) -> tuple[PackHeader, Pack]:
     return header, pack
 
 
-def _tensor(data: memoryview, info: TensorInfo) -> torch.Tensor:
-    """A fresh tensor from the data-buffer range of ``info``."""
+def _tensor(data: memoryview, info: TensorInfo, where: str, name: str) -> torch.Tensor:
+    """A fresh tensor from the data-buffer range of ``info`` (decoded if it is encoded)."""
     dtype = C.DTYPE_BY_CODE[info.dtype]
-    if info.nbytes == 0:
-        return torch.empty(info.shape, dtype=dtype)
     b, e = info.offsets
-    return torch.frombuffer(bytearray(data[b:e]), dtype=dtype).reshape(info.shape)
+    raw = data[b:e] if info.codec is None else _decode(where, name, data[b:e], info)
+    if len(raw) == 0:
+        return torch.empty(info.shape, dtype=dtype)
+    return torch.frombuffer(raw if isinstance(raw, bytearray) else bytearray(raw), dtype=dtype).reshape(info.shape)
 
 
 def _parse_header(src: _Source) -> tuple[PackHeader, dict[str, str]]:
@@ -391,6 +483,12 @@ def _parse_header(src: _Source) -> tuple[PackHeader, dict[str, str]]:
     missing = [k for k in C.METADATA_KEYS if k not in meta]
     if missing:
         raise corrupt(f"{C.METADATA_KEY!r} lacks {missing[0]!r}")
+    features = [k for k in C.METADATA_KEYS_V2 if k in meta]
+    if version < C.FORMAT_VERSION_V2 and features:
+        raise corrupt(f"a version-{version} file cannot have {features[0]!r} (a version-{C.FORMAT_VERSION_V2} feature)")
+    if version == C.FORMAT_VERSION_V2 and not features:
+        raise corrupt(f"it declares format version {version} but uses no version-{version} feature (quantization "
+                      "or zstd); a file must declare the lowest version it needs")
 
     # 3. tensor index entries and their layout in the data buffer
     tensors: dict[str, TensorInfo] = {}
@@ -418,7 +516,37 @@ def _parse_header(src: _Source) -> tuple[PackHeader, dict[str, str]]:
         raise TruncatedFileError(f"{name} is cut inside its data ({end} bytes declared, {data_len} present); {_RECOPY}")
     if end < data_len:
         raise corrupt(f"{data_len - end} unexpected bytes follow the last tensor")
-    problem = _index_problem(tensors)
+
+    # 3b. version-2 features: encoded tensors (their own dtype and shape) and quantization
+    if C.META_TENSOR_CODECS in meta:
+        codecs = _parse_json(meta[C.META_TENSOR_CODECS], corrupt)
+        if not isinstance(codecs, dict) or not codecs:
+            raise corrupt(f"{C.META_TENSOR_CODECS!r} must be a non-empty JSON object")
+        for tname, codec in codecs.items():
+            stored = tensors.get(tname)
+            if stored is None:
+                raise corrupt(f"{C.META_TENSOR_CODECS!r} names {tname[:80]!r}, which is not in the tensor index")
+            problem = _codec_problem(codec)
+            if problem is None and (stored.dtype != C.STORED_CODE or len(stored.shape) != 1):
+                problem = (f"its index entry must be {C.STORED_CODE} [stored bytes], not {stored.dtype} "
+                           f"{list(stored.shape)}")
+            if problem is not None:
+                raise corrupt(f"encoded tensor {tname[:80]!r}: {problem}")
+            tensors[tname] = TensorInfo(codec["dtype"], tuple(codec["shape"]), stored.offsets,
+                                        TensorCodec(codec["codec"], codec["filter"], codec["level"]))
+        expanded = sum(tensors[t].raw_nbytes for t in codecs)
+        if expanded > max(C.EXPANSION_FLOOR_BYTES, C.MAX_EXPANSION * size):
+            raise corrupt(f"its compressed tensors would decompress to {expanded} bytes, more than {C.MAX_EXPANSION} "
+                          f"times the {size}-byte file: refusing a possible decompression bomb")
+    quant_type, group_size = C.QUANT_NONE, None
+    if C.META_QUANT in meta:
+        q = _parse_json(meta[C.META_QUANT], corrupt)
+        if (not isinstance(q, dict) or set(q) != set(C.QUANT_INFO_KEYS) or q["type"] not in C.QUANT_TYPES
+                or not _is_int(q["group_size"]) or not 1 <= q["group_size"] <= C.MAX_GROUP_SIZE):
+            raise corrupt(f"{C.META_QUANT!r} must be {{\"group_size\": 1..{C.MAX_GROUP_SIZE}, \"type\": "
+                          f"{' or '.join(map(repr, C.QUANT_TYPES))}}}")
+        quant_type, group_size = q["type"], q["group_size"]
+    problem = _index_problem(tensors, quant_type, group_size)
     if problem is not None:
         raise corrupt(problem)
 
@@ -448,8 +576,112 @@ def _parse_header(src: _Source) -> tuple[PackHeader, dict[str, str]]:
         raise corrupt(f"{C.SINK_TOKENS_KEY!r} is missing or not an integer in [0, {tokens}] (the number of tokens)")
     if not isinstance(sums, dict) or set(sums) != set(tensors) or not all(map(_is_sha256, sums.values())):
         raise corrupt(f"{C.META_TENSOR_SHA256!r} must map exactly the tensor names to lowercase hex SHA-256s")
-    header = PackHeader(version, kv, tensors, C.LENGTH_PREFIX_BYTES + n, size)
+    header = PackHeader(version, kv, tensors, C.LENGTH_PREFIX_BYTES + n, size, quant_type, group_size)
     return header, sums
+
+
+def _parse_json(text: str, corrupt) -> Any:
+    """Parse a JSON string of ``__metadata__`` (no duplicate keys, no NaN), raising ``corrupt(...)``."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise corrupt(f"a JSON string in {C.METADATA_KEY!r} does not parse ({_short(exc)})") from None
+
+
+def _codec_problem(codec: Any) -> str | None:
+    """Why a ``tensor_codecs`` entry is malformed, or None."""
+    if not isinstance(codec, dict) or set(codec) != set(C.CODEC_KEYS):
+        return f"its codec entry must be an object with exactly the keys {list(C.CODEC_KEYS)}"
+    if codec["codec"] != C.CODEC_ZSTD:
+        return f"unknown codec {str(codec['codec'])[:20]!r} (known: {C.CODEC_ZSTD!r})"
+    dtype, shape, level, filt = codec["dtype"], codec["shape"], codec["level"], codec["filter"]
+    if dtype not in C.DTYPE_BY_CODE:
+        return f"unknown dtype {str(dtype)[:20]!r} (known: {sorted(C.DTYPE_BY_CODE)})"
+    if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d <= C.INT32_MAX for d in shape):
+        return f"the shape must be a list of integers in [0, {C.INT32_MAX}]"
+    if not _is_int(level) or not C.ZSTD_MIN_LEVEL <= level <= C.ZSTD_MAX_LEVEL:
+        return f"the level must be an integer in [{C.ZSTD_MIN_LEVEL}, {C.ZSTD_MAX_LEVEL}]"
+    itemsize = C.DTYPE_BY_CODE[dtype].itemsize
+    allowed = [C.FILTER_NONE] + ([C.FILTER_SHUFFLE] if itemsize > 1 else [])
+    allowed += [C.FILTER_DELTA_SHUFFLE] if dtype == C.INDEX_INT_CODE else []
+    if filt not in allowed:
+        return f"filter {str(filt)[:20]!r} is not one of {allowed} for {dtype}"
+    raw = math.prod(shape) * itemsize
+    if not _is_int(codec["raw_bytes"]) or codec["raw_bytes"] != raw or raw == 0:
+        return f"raw_bytes must be the tensor's size, shape x itemsize = {raw} > 0"
+    return None
+
+
+def _writer_filter(name: str, code: str) -> str:
+    """The filter the reference writer uses: delta + shuffle for positions, shuffle for multi-byte, else none."""
+    if name.endswith("." + C.POSITIONS) and code == C.INDEX_INT_CODE:
+        return C.FILTER_DELTA_SHUFFLE
+    return C.FILTER_SHUFFLE if C.DTYPE_BY_CODE[code].itemsize > 1 else C.FILTER_NONE
+
+
+def _shuffle(raw: bytes, itemsize: int) -> bytes:
+    """Byte planes: byte 0 of every element, then byte 1, ... (``[n, k]`` bytes transposed to ``[k, n]``)."""
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(-1, itemsize).t().contiguous().numpy().tobytes()
+
+
+def _unshuffle(data: bytearray, itemsize: int) -> bytearray:
+    """Inverse of ``_shuffle``."""
+    return bytearray(torch.frombuffer(data, dtype=torch.uint8).reshape(itemsize, -1).t().contiguous().numpy())
+
+
+def _encode(raw: bytes, code: str, filt: str, level: int) -> bytes:
+    """Filter the raw little-endian bytes of a ``code`` tensor, then compress them into one zstd frame."""
+    itemsize = C.DTYPE_BY_CODE[code].itemsize
+    if filt == C.FILTER_DELTA_SHUFFLE:
+        x = torch.frombuffer(bytearray(raw), dtype=torch.int32).to(torch.int64)
+        d = torch.diff(x, prepend=x.new_zeros(1))
+        d = (d + 2**31) % 2**32 - 2**31  # two's complement wrap-around
+        raw = d.to(torch.int32).numpy().tobytes()
+    if filt in (C.FILTER_SHUFFLE, C.FILTER_DELTA_SHUFFLE):
+        raw = _shuffle(raw, itemsize)
+    return zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=True).compress(raw)
+
+
+def _decode(where: str, name: str, data: memoryview, info: TensorInfo) -> bytearray:
+    """The raw bytes of encoded tensor ``name``; every size is checked before anything is allocated.
+
+    Raises ``CorruptFileError`` for anything but one intact zstd frame declaring exactly ``info.raw_nbytes``.
+    """
+    raw = info.raw_nbytes
+
+    def corrupt(problem: str) -> CorruptFileError:
+        return CorruptFileError(f"{where}: tensor {name!r}: {problem}; {_RECOPY}")
+
+    if bytes(data[: len(C.ZSTD_FRAME_MAGIC)]) != C.ZSTD_FRAME_MAGIC:
+        raise corrupt("its stored bytes do not start a zstd frame")
+    try:
+        params = zstandard.get_frame_parameters(data)
+    except zstandard.ZstdError as exc:
+        raise corrupt(f"its zstd frame header is damaged ({_short(exc)})") from None
+    if params.content_size in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR):
+        raise corrupt("its zstd frame does not declare its decompressed size")
+    if params.content_size != raw:
+        raise corrupt(f"its zstd frame declares {params.content_size} decompressed bytes, but the header says "
+                      f"{raw} ({info.dtype} {list(info.shape)})")
+    if params.dict_id:
+        raise corrupt("its zstd frame needs a dictionary, which kvpack files never use")
+    window = 1 << max(10, (raw - 1).bit_length())  # a frame of `raw` bytes never needs a larger window
+    try:
+        # the frame declared exactly `raw` bytes (checked above), so this allocates `raw` bytes, no more
+        out = zstandard.ZstdDecompressor(max_window_size=window).decompress(
+            data, max_output_size=raw, allow_extra_data=False)
+    except zstandard.ZstdError as exc:
+        raise corrupt(f"its zstd frame is damaged ({_short(exc)})") from None
+    if len(out) != raw:
+        raise corrupt(f"its zstd frame decompressed to {len(out)} bytes instead of {raw}")
+    out = bytearray(out)
+    filt = info.codec.filter
+    if filt in (C.FILTER_SHUFFLE, C.FILTER_DELTA_SHUFFLE):
+        out = _unshuffle(out, C.DTYPE_BY_CODE[info.dtype].itemsize)
+    if filt == C.FILTER_DELTA_SHUFFLE:
+        x = torch.cumsum(torch.frombuffer(out, dtype=torch.int32).to(torch.int64), 0)
+        out = bytearray(((x + 2**31) % 2**32 - 2**31).to(torch.int32).numpy().tobytes())
+    return out
 
 
 def _entry_problem(entry: Any) -> str | None:
@@ -468,7 +700,8 @@ def _entry_problem(entry: Any) -> str | None:
     return None
 
 
-def _index_problem(tensors: dict[str, TensorInfo]) -> str | None:
+def _index_problem(tensors: dict[str, TensorInfo], quant_type: str = C.QUANT_NONE,
+                   group_size: int | None = None) -> str | None:
     """Why the set of tensors, their dtypes or shapes do not describe a pack, or None."""
 
     def bad(tname: str, codes: tuple[str, ...], ndim: int) -> str | None:
@@ -487,23 +720,62 @@ def _index_problem(tensors: dict[str, TensorInfo]) -> str | None:
     layers, heads = tensors[C.HEAD_LENGTHS].shape
     if layers < 1 or heads < 1:
         return f"{C.HEAD_LENGTHS!r} has shape {[layers, heads]}; at least one layer and one KV head are needed"
-    expected = {C.TOKEN_IDS, C.HEAD_LENGTHS} | {C.layer_tensor_name(l, p) for l in range(layers) for p in C.LAYER_PARTS}
+    quantized = quant_type != C.QUANT_NONE
+    parts = C.LAYER_PARTS + (C.QUANT_PARTS if quantized else ())
+    expected = {C.TOKEN_IDS, C.HEAD_LENGTHS} | {C.layer_tensor_name(l, p) for l in range(layers) for p in parts}
     extra = sorted(set(tensors) - expected)
     if extra:
-        return f"unexpected tensor {extra[0][:80]!r} for a {layers}-layer pack"
+        return f"unexpected tensor {extra[0][:80]!r} for a {layers}-layer{' quantized' if quantized else ''} pack"
     dims = None
     for l in range(layers):
         k, v, p = (C.layer_tensor_name(l, part) for part in C.LAYER_PARTS)
         problem = bad(k, C.FLOAT_CODES, 2) or bad(v, C.FLOAT_CODES, 2) or bad(p, ints, 1)
         if problem:
             return problem
-        entries = tensors[k].shape[0]
-        if tensors[v].shape[0] != entries or tensors[p].shape[0] != entries:
-            return f"layer {l}: keys, values and positions have different row counts"
         if dims is None:
             dims = (tensors[k].shape[1], tensors[v].shape[1])
         if (tensors[k].shape[1], tensors[v].shape[1]) != dims or min(dims) < 1:
             return f"layer {l}: head_dim/head_dim_v differ from layer 0's {list(dims)} or are 0"
+        entries = tensors[k].shape[0]
+        if quantized:
+            problem = _quant_index_problem(tensors, l, quant_type, group_size, dims)
+            if problem:
+                return problem
+            entries += tensors[C.layer_tensor_name(l, C.KEY_CODES)].shape[0]
+        if tensors[v].shape[0] != tensors[k].shape[0] or tensors[p].shape[0] != entries:
+            return (f"layer {l}: keys, values and positions have different row counts"
+                    + (" (positions count the quantized rows too)" if quantized else ""))
+    return None
+
+
+def _quant_index_problem(tensors: dict[str, TensorInfo], l: int, quant_type: str, group_size: int,
+                         dims: tuple[int, int]) -> str | None:
+    """Why layer ``l``'s six quantization tensors have wrong dtypes or shapes, or None."""
+    spec = C.QUANT_TYPES[quant_type]
+    d, dv = dims
+    gv = value_group_size(group_size, dv)
+    if d % spec.codes_per_byte or dv % spec.codes_per_byte or dv % gv:
+        return (f"head_dim {d} / head_dim_v {dv} cannot be {quant_type}-quantized with group size {group_size} "
+                f"(need multiples of {spec.codes_per_byte}, and of {gv} for head_dim_v)")
+    codes = tensors.get(C.layer_tensor_name(l, C.KEY_CODES))
+    rows = codes.shape[0] if codes is not None and len(codes.shape) == 2 else 0
+    if rows % group_size:
+        return f"layer {l}: {rows} quantized rows is not a multiple of the group size {group_size}"
+    want = {
+        C.KEY_CODES: (C.QUANT_CODE_CODE, (rows, d // spec.codes_per_byte)),
+        C.KEY_SCALES: (C.QUANT_PARAM_CODE, (rows // group_size, d)),
+        C.KEY_MINS: (C.QUANT_PARAM_CODE, (rows // group_size, d)),
+        C.VALUE_CODES: (C.QUANT_CODE_CODE, (rows, dv // spec.codes_per_byte)),
+        C.VALUE_SCALES: (C.QUANT_PARAM_CODE, (rows, dv // gv)),
+        C.VALUE_MINS: (C.QUANT_PARAM_CODE, (rows, dv // gv)),
+    }
+    for part, (code, shape) in want.items():
+        tname = C.layer_tensor_name(l, part)
+        info = tensors.get(tname)
+        if info is None:
+            return f"tensor {tname!r} is missing"
+        if info.dtype != code or info.shape != shape:
+            return f"tensor {tname!r} must be {code} {list(shape)}, not {info.dtype} {list(info.shape)}"
     return None
 
 
@@ -525,9 +797,17 @@ def _pack_problem(pack: Any) -> str | None:
     if not isinstance(pack.layers, (list, tuple)) or not pack.layers:
         return "a pack needs at least one layer"
     dims = None
+    quant_setting = None
     for l, layer in enumerate(pack.layers):
         if not isinstance(layer, LayerEntries):
             return f"layer {l} is not a LayerEntries"
+        q = layer.quant
+        setting = (q.qtype, q.group_size) if isinstance(q, QuantizedRows) else q
+        if l == 0:
+            quant_setting = setting
+        elif setting != quant_setting:
+            return (f"layer {l} is quantized as {setting}, layer 0 as {quant_setting}; all layers must share one "
+                    "quantization type and group size (or none)")
         k, v, p, hl = layer.keys, layer.values, layer.positions, layer.head_lengths
         for what, x in (("keys", k), ("values", v)):
             if not isinstance(x, torch.Tensor) or x.dim() != 2 or C.CODE_BY_DTYPE.get(x.dtype) not in C.FLOAT_CODES:
@@ -539,9 +819,9 @@ def _pack_problem(pack: Any) -> str | None:
         here = (hl.shape[0], k.shape[1], v.shape[1])
         if here != dims or min(dims) < 1:
             return f"layer {l}: kv_heads/head_dim/head_dim_v {list(here)} differ from layer 0's {list(dims)} or are 0"
-        n = k.shape[0]
-        if v.shape[0] != n or p.shape[0] != n:
-            return f"layer {l}: keys, values and positions have {n}, {v.shape[0]} and {p.shape[0]} rows"
+        n = p.shape[0]
+        if q is None and (k.shape[0] != n or v.shape[0] != n):
+            return f"layer {l}: keys, values and positions have {k.shape[0]}, {v.shape[0]} and {n} rows"
         if int(hl.min()) < 0 or int(hl.to(torch.int64).sum()) != n:
             return f"layer {l}: head_lengths {hl.tolist()[:16]} must be non-negative and sum to the {n} entries"
         if n:
@@ -554,6 +834,10 @@ def _pack_problem(pack: Any) -> str | None:
             head_start[starts] = True
             if bool(((p[1:] <= p[:-1]) & ~head_start[1:]).any()):
                 return f"layer {l}: positions must be strictly increasing within each head"
+        if q is not None:
+            problem = layer_quant_problem(layer, pack.sink_tokens)
+            if problem is not None:
+                return f"layer {l}: {problem}"
     return None
 
 

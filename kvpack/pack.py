@@ -5,6 +5,10 @@ back to back, head 0 first; within a head they are in increasing original positi
 how many entries head ``h`` of layer ``l`` kept, so head ``h`` occupies rows
 ``offsets[h] : offsets[h] + head_lengths[l, h]`` with ``offsets = [0, cumsum(head_lengths[l])]``. A head may keep
 zero entries. Keys are stored as cached, i.e. after RoPE at their original positions.
+
+A quantized layer (``LayerEntries.quant`` set, ``kvpack.quant``) keeps the same ``positions`` and ``head_lengths``
+but splits each head's rows: the sink rows and the trailing residual rows stay in ``keys``/``values`` (full
+precision), the body rows in between are in ``quant`` as int8/int4 codes with float16 scales and mins.
 """
 
 from __future__ import annotations
@@ -14,7 +18,45 @@ from typing import Any
 
 import torch
 
-__all__ = ["LayerEntries", "Pack"]
+__all__ = ["QuantizedRows", "LayerEntries", "Pack"]
+
+
+@dataclass
+class QuantizedRows:
+    """The quantized "body" rows of one layer (KIVI layout, arXiv 2402.02750; ``format/SPEC.md`` section 5.4).
+
+    Head ``h`` of the layer has ``n_h`` entries in position order: ``sink_lengths[h]`` sink rows (position below
+    the pack's ``sink_tokens``), then ``body_lengths[h]`` quantized rows (a multiple of ``group_size``, as many as
+    fit), then the residual rows. The body rows of all heads, head 0 first, give ``Q = body_lengths.sum()`` rows.
+
+    Attributes:
+        qtype: ``"int8"`` or ``"int4"`` (``constants.QUANT_TYPES``).
+        group_size: ``G``, rows per key group and (capped at ``head_dim_v``) channels per value group.
+        sink_lengths: ``[kv_heads]`` int64 unquantized leading sink rows per head.
+        body_lengths: ``[kv_heads]`` int64 quantized rows per head, multiples of ``G``.
+        key_codes: ``[Q, head_dim / codes_per_byte]`` uint8; keys are quantized per channel over groups of ``G``
+            consecutive rows of one head.
+        key_scales, key_mins: ``[Q / G, head_dim]`` float16.
+        value_codes: ``[Q, head_dim_v / codes_per_byte]`` uint8; values are quantized per row over groups of
+            ``Gv = min(G, head_dim_v)`` consecutive channels.
+        value_scales, value_mins: ``[Q, head_dim_v / Gv]`` float16.
+    """
+
+    qtype: str
+    group_size: int
+    sink_lengths: torch.Tensor
+    body_lengths: torch.Tensor
+    key_codes: torch.Tensor
+    key_scales: torch.Tensor
+    key_mins: torch.Tensor
+    value_codes: torch.Tensor
+    value_scales: torch.Tensor
+    value_mins: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        """``Q``, the quantized rows of the layer over all heads."""
+        return int(self.key_codes.shape[0])
 
 
 @dataclass
@@ -26,27 +68,50 @@ class LayerEntries:
         values: ``[entries, head_dim_v]`` values, same order.
         positions: ``[entries]`` int32 original token positions (RoPE positions), increasing within a head.
         head_lengths: ``[kv_heads]`` int64 entries kept per KV head; sums to ``entries``.
+        quant: ``None`` (keys and values hold all ``entries`` rows), or the quantized body rows; then ``keys`` and
+            ``values`` hold only the full-precision rows (per head: sink rows, then residual rows), and
+            ``dequantized()`` gives back all rows.
     """
 
     keys: torch.Tensor
     values: torch.Tensor
     positions: torch.Tensor
     head_lengths: torch.Tensor
+    quant: QuantizedRows | None = None
 
     def head_offsets(self) -> torch.Tensor:
         """``[kv_heads + 1]`` int64 row offsets of each head's entries (exclusive prefix sum of ``head_lengths``)."""
         return torch.cat([self.head_lengths.new_zeros(1), self.head_lengths.cumsum(0)])
 
     def head(self, h: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Keys ``[n, head_dim]``, values ``[n, head_dim_v]`` and positions ``[n]`` of KV head ``h``."""
+        """Keys ``[n, head_dim]``, values ``[n, head_dim_v]`` and positions ``[n]`` of KV head ``h``.
+
+        For a quantized layer the keys and values are dequantized (float32 arithmetic, then the keys' dtype).
+        """
+        if self.quant is not None:
+            return self.dequantized().head(h)
         off = self.head_offsets()
         s, e = int(off[h]), int(off[h + 1])
         return self.keys[s:e], self.values[s:e], self.positions[s:e]
 
     @property
     def num_entries(self) -> int:
-        """Entries kept in this layer over all heads."""
-        return int(self.keys.shape[0])
+        """Entries kept in this layer over all heads (quantized ones included)."""
+        return int(self.positions.shape[0])
+
+    def dequantized(self, dtype: torch.dtype | None = None) -> "LayerEntries":
+        """This layer with every row in full precision (itself, cast to ``dtype`` if given, when not quantized).
+
+        Quantized rows are dequantized as ``code x scale + min`` in float32 (``kvpack.quant``), then cast to
+        ``dtype`` (default: the dtype of ``keys``).
+        """
+        if self.quant is None:
+            if dtype is None:
+                return self
+            return LayerEntries(self.keys.to(dtype), self.values.to(dtype), self.positions, self.head_lengths)
+        from .quant import dequantize_layer
+
+        return dequantize_layer(self, dtype)
 
 
 @dataclass

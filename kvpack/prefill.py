@@ -8,9 +8,11 @@ from typing import Callable
 import torch
 from transformers import DynamicCache
 
+from .attention import use_kvpack_attention
 from .cache import KvpackCache, PackedLayer
 from .layout import ChatLayout
 from .model import ModelSpec
+from .stats import AttentionRecorder
 
 __all__ = ["Prefill", "prefill"]
 
@@ -27,6 +29,7 @@ class Prefill:
         positions: per layer ``[n_l]`` int64 RoPE positions of those entries.
         layout: how the context was laid out (for KVzip's repeat prompts and for later questions).
         spec: the model's attention shape.
+        stats: the ``AttentionRecorder`` given to ``prefill`` (its prefill attention statistics), or ``None``.
     """
 
     token_ids: torch.Tensor
@@ -36,6 +39,7 @@ class Prefill:
     positions: list[torch.Tensor]
     layout: ChatLayout
     spec: ModelSpec
+    stats: AttentionRecorder | None = None
 
     @property
     def tokens(self) -> int:
@@ -69,17 +73,44 @@ class Prefill:
         return KvpackCache(layers, self.token_ids, {})
 
 
+class _RecordingCache(DynamicCache):
+    """A ``DynamicCache`` that tags the keys it returns with ``(recorder, layer index, position of the first
+    returned key)``, which the ``"kvpack"`` attention function reads to feed the recorder."""
+
+    def __init__(self, config, recorder: AttentionRecorder):
+        super().__init__(config=config)
+        self.recorder = recorder
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        seen = self.get_seq_length(layer_idx) if layer_idx < len(self.layers) else 0
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        keys._kvpack_recording = (self.recorder, layer_idx, seen + key_states.shape[-2] - keys.shape[-2])
+        return keys, values
+
+
 @torch.inference_mode()
 def prefill(model, token_ids: list[int], sink: int, layout: ChatLayout, spec: ModelSpec, chunk_size: int,
-            progress: Callable[[int], None] | None = None) -> Prefill:
+            progress: Callable[[int], None] | None = None, recorder: AttentionRecorder | None = None,
+            observed_ids: list[int] | None = None) -> Prefill:
     """Prefill ``token_ids`` in chunks of ``chunk_size`` tokens through the model's own attention.
 
     Memory: the KV cache (linear in tokens) plus one chunk's activations; attention of a chunk over the cache is
     computed by SDPA. ``progress(n)`` is called with the tokens done after each chunk.
+
+    Args:
+        recorder: if given, the model is switched to the ``"kvpack"`` attention (SDPA for ordinary caches) and
+            the recorder receives every chunk's attention of the compressed layers (``kvpack.stats``); the
+            result's ``stats`` is the recorder.
+        observed_ids: tokens fed after the context, in chunks, only so that ``recorder`` sees their attention
+            (SnapKV's question); their KV entries are not part of the result.
     """
     device = next(model.parameters()).device
     ids = torch.tensor(token_ids, dtype=torch.long)
-    cache = DynamicCache(config=model.config)
+    if recorder is not None:
+        use_kvpack_attention(model)
+        cache = _RecordingCache(model.config, recorder)
+    else:
+        cache = DynamicCache(config=model.config)
     body = model.base_model
     for start in range(0, len(token_ids), chunk_size):
         chunk = ids[start : start + chunk_size].unsqueeze(0).to(device)
@@ -89,8 +120,12 @@ def prefill(model, token_ids: list[int], sink: int, layout: ChatLayout, spec: Mo
     keys, values, positions = [], [], []
     n = len(token_ids)
     for layer in cache.layers:
-        k, v = layer.keys[0], layer.values[0]  # [kv_heads, n_l, d]
+        k, v = layer.keys[0], layer.values[0]  # [kv_heads, n_l, d]; later updates make new tensors
         keys.append(k)
         values.append(v)
         positions.append(torch.arange(n - k.shape[1], n, device=k.device))
-    return Prefill(ids, sink, keys, values, positions, layout, spec)
+    extra = torch.tensor(list(observed_ids or ()), dtype=torch.long)
+    for start in range(0, len(extra), chunk_size):
+        body(input_ids=extra[start : start + chunk_size].unsqueeze(0).to(device), past_key_values=cache,
+             use_cache=True)
+    return Prefill(ids, sink, keys, values, positions, layout, spec, recorder)

@@ -5,6 +5,10 @@ Regenerate the golden files (only after an intended format change, then review t
     python -m tests.golden_packs          # from the repository root
 
 Every value is exactly representable in float16 and bfloat16, so no rounding depends on the platform.
+
+``GOLDEN`` holds the version-1 files (plain tensors); ``GOLDEN_V2`` the version-2 ones (quantized with the
+reference codec ``kvpack.quant``, and/or zstd-compressed). zstd's output depends on the zstd library, so the
+exact bytes of the zstd files are pinned for ``GOLDEN_ZSTD_LIBRARY`` only (reading them works with any).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 
 from kvpack.fileformat import save
 from kvpack.pack import LayerEntries, Pack
+from kvpack.quant import quantize_pack
 
 GOLDEN_DIR = Path(__file__).resolve().parent.parent / "format" / "golden"
 
@@ -90,12 +95,70 @@ def golden_f16_narrow_values() -> Pack:
     )
 
 
-#: Golden file name -> the Pack it holds.
+def _quant_layer(head_positions: list[list[int]], seed: int) -> LayerEntries:
+    """float16 entries, head_dim 4 / head_dim_v 4: multiples of 1/4 in [-2, 2] from (seed, row, column), key
+    channel 3 constant (a scale-0 group), and one outlier (24.0) in key channel 0 and value channel 2 of row 5."""
+    positions = [p for head in head_positions for p in head]
+    n = len(positions)
+    r = torch.arange(n)[:, None]
+    c = torch.arange(4)[None, :]
+    keys = ((r * 7 + c * 13 + seed) % 17 - 8).float() / 4
+    values = ((r * 5 + c * 11 + 3 * seed) % 13 - 6).float() / 4
+    keys[:, 3] = 1.5
+    if n > 5:
+        keys[5, 0] = 24.0
+        values[5, 2] = 24.0
+    return LayerEntries(
+        keys=keys.to(torch.float16),
+        values=values.to(torch.float16),
+        positions=torch.tensor(positions, dtype=torch.int32),
+        head_lengths=torch.tensor([len(h) for h in head_positions], dtype=torch.int64),
+    )
+
+
+def golden_unquantized_for_int() -> Pack:
+    """2 layers x 2 KV heads x head_dim 4, float16, 48 tokens, 2 sink tokens; with group size 32 the heads have
+    (sink, quantized, residual) rows: layer 0 (2, 32, 4) and (2, 0, 3) (too short: not quantized), layer 1
+    (2, 32, 14) and (0, 32, 1) (a head without sink rows)."""
+    layers = [
+        _quant_layer([[0, 1, *range(2, 38)], [0, 1, 5, 9, 40]], seed=0),
+        _quant_layer([list(range(48)), list(range(3, 36))], seed=1),
+    ]
+    return Pack(
+        token_ids=torch.arange(100, 148, dtype=torch.int64),
+        layers=layers,
+        sink_tokens=2,
+        metadata=_metadata("kvzip", 0.5, 2),
+    )
+
+
+def golden_int4() -> Pack:
+    """``golden_unquantized_for_int`` quantized to int4, group size 32, by the reference codec."""
+    return quantize_pack(golden_unquantized_for_int(), "int4", 32)
+
+
+def golden_int8() -> Pack:
+    """``golden_unquantized_for_int`` quantized to int8, group size 32, by the reference codec."""
+    return quantize_pack(golden_unquantized_for_int(), "int8", 32)
+
+
+#: Golden file name -> the Pack it holds (version 1: plain tensors, no zstd).
 GOLDEN = {
     "small_f32.kvpack": golden_f32,
     "small_bf16.kvpack": golden_bf16,
     "small_f16_narrow_values.kvpack": golden_f16_narrow_values,
 }
+
+#: Version-2 golden file name -> (the Pack it holds, the zstd level it is saved with).
+GOLDEN_V2 = {
+    "small_int4.kvpack": (golden_int4, 0),
+    "small_int8.kvpack": (golden_int8, 0),
+    "small_f32_zstd.kvpack": (golden_f32, 3),
+    "small_int4_zstd.kvpack": (golden_int4, 3),
+}
+
+#: ``zstandard.ZSTD_VERSION`` of the zstd library that wrote the zstd golden files.
+GOLDEN_ZSTD_LIBRARY = (1, 5, 7)
 
 
 def regenerate(folder: Path = GOLDEN_DIR) -> list[Path]:
@@ -104,6 +167,9 @@ def regenerate(folder: Path = GOLDEN_DIR) -> list[Path]:
     paths = []
     for name, make in GOLDEN.items():
         save(make(), folder / name)
+        paths.append(folder / name)
+    for name, (make, level) in GOLDEN_V2.items():
+        save(make(), folder / name, zstd_level=level)
         paths.append(folder / name)
     return paths
 

@@ -16,7 +16,7 @@ from kvpack.build import (
     discover_contexts,
 )
 from kvpack.errors import InputError, ModelMismatchError
-from kvpack.fileformat import load_pack, verify
+from kvpack.fileformat import load_pack, read_header, verify
 
 from .tiny import TEXT, tiny_model
 
@@ -236,3 +236,29 @@ def test_check_pack_checks_integrity_and_model(tmp_path):
     qwen, qtok = tiny_model("qwen2")
     with pytest.raises(ModelMismatchError, match="tiny-llama.*tiny-qwen2"):
         check_pack(path, qwen, qtok)
+
+
+def test_build_skip_rule_includes_quantization_and_zstd(tmp_path):
+    model, tok = tiny_model("llama")
+    ctxs = discover_contexts([_docs(tmp_path / "docs")])
+    kw = dict(out_dir=tmp_path / "packs", ratio=0.5, chunk_size=64)
+    first = build(ctxs, model, tok, **kw)
+    assert read_header(first[0].path).zstd_level == 3  # the library's build defaults to the CLI's zstd level
+    assert all(r.skipped for r in build(ctxs, model, tok, **kw))
+    for settings in (dict(zstd_level=0), dict(quant="int4"), dict(quant="int4", group_size=64),
+                     dict(quant="int8", group_size=64), dict(quant="int8", group_size=64, zstd_level=9)):
+        res = build(ctxs, model, tok, **kw, **settings)
+        assert not any(r.skipped for r in res), settings
+        again = build(ctxs, model, tok, **kw, **settings)
+        assert all(r.skipped for r in again), settings
+        h = read_header(res[0].path)
+        quant = settings.get("quant", "none")
+        assert (h.quant_type, h.group_size, h.zstd_level) == (
+            quant, settings.get("group_size", 32) if quant != "none" else None, settings.get("zstd_level", 3))
+        assert res[0].entries_kept == again[0].entries_kept == load_pack(res[0].path).kept_entries()
+    with pytest.raises(InputError, match="group_size"):
+        build(ctxs, model, tok, **kw, quant="int4", group_size=48)
+    with pytest.raises(InputError, match="unknown quantization"):
+        build(ctxs, model, tok, **kw, quant="int2")
+    with pytest.raises(InputError, match="zstd_level"):
+        build(ctxs, model, tok, **kw, zstd_level=23)

@@ -100,7 +100,9 @@ def test_build_skips_up_to_date_packs_and_rebuilds_on_new_settings(built, models
 def test_info_describes_the_pack(built):
     _, packs = built
     out = _run(["info", str(packs / "alpha.kvpack")]).stdout
-    for pattern in (r"format\s+kvpack v1", r"method\s+kvzip \(chunk_size=64, tail_tokens=8\)", r"ratio\s+0\.3",
+    for pattern in (r"format\s+kvpack v2", r"(?m)quantization\s+none$",
+                    r"zstd\s+level 3: [\d,]+ bytes on disk, [\d,]+ decoded",
+                    r"method\s+kvzip \(chunk_size=64, tail_tokens=8\)", r"ratio\s+0\.3",
                     r"architecture\s+LlamaForCausalLM", r"heads\s+4 query, 2 KV", r"head dim\s+16",
                     r"tokens\s+\d+ \(\d+ sink \+ \d+ context\)", r"source\s+alpha\.txt \(sha256 [0-9a-f]{12}",
                     r"weights\s+sha256 [0-9a-f]{12}\.\.\.", r"kvpack version\s+0\.1\.0"):
@@ -152,6 +154,9 @@ def test_ask_prints_an_answer(built, models):
     (["--ratio", "1.5"], 2, "Invalid value for '--ratio'"),
     (["--method", "nope"], 2, "Invalid value for '--method'"),
     (["--chunk-size", "0"], 2, "Invalid value for '--chunk-size'"),
+    (["--quant", "int2"], 2, "Invalid value for '--quant'"),
+    (["--group-size", "16"], 2, "Invalid value for '--group-size'"),
+    (["--zstd-level", "23"], 2, "Invalid value for '--zstd-level'"),
 ])
 def test_build_rejects_bad_options(docs, models, args, code, message):
     res = _run(["build", str(docs), "--model", models["llama"], *args], code=code)
@@ -187,3 +192,75 @@ def test_python_dash_m_and_version():
     proc = subprocess.run([sys.executable, "-m", "kvpack", "info", "--help"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and "Usage: kvpack info" in proc.stdout
+
+
+@pytest.mark.parametrize("args, params", [
+    (["--method", "d2o", "--sink", "2", "--recent-ratio", "0.5", "--beta", "0.6"],
+     "method\\s+d2o \\(beta=0.6, merge=True, recent_ratio=0.5, sink=2\\)"),
+    (["--method", "d2o", "--no-merge"], "method\\s+d2o \\(beta=0.7, merge=False, recent_ratio=0.25, sink=4\\)"),
+    (["--method", "snapkv", "--window", "8", "--budget", "global"], "method\\s+snapkv \\(budget=global, .*window=8\\)"),
+    (["--method", "pyramidkv", "--question", "Who?", "--beta", "5"], "method\\s+pyramidkv \\(.*beta=5.0, .*question=Who\\?"),
+    (["--method", "streaming", "--sink", "0"], "method\\s+streaming \\(sink=0\\)"),
+    (["--method", "random", "--seed", "3", "--budget", "layer"], "method\\s+random \\(budget=layer, seed=3\\)"),
+    (["--method", "none"], "method\\s+none$"),
+])
+def test_build_with_method_options_and_info_shows_them(docs, models, tmp_path, args, params):
+    out = tmp_path / "packs"
+    _run(["build", str(docs / "alpha.txt"), "--model", models["llama"], "--device", "cpu", "--out", str(out), *args])
+    info = _run(["info", str(out / "alpha.kvpack")]).stdout
+    assert re.search(params, info, re.M), info
+    budgets = re.search(r"^layer budgets\s+([\d, ]+) context entries", info, re.M)
+    kept = re.search(r"context: ([\d,]+) of", info)
+    assert budgets and sum(int(b) for b in budgets.group(1).split(", ")) == int(kept.group(1).replace(",", ""))
+    assert ("merged " in info) == ("d2o" in args and "--no-merge" not in args)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--method", "h2o", "--sink", "3"], "error: --method h2o does not take --sink (its options: --budget)"),
+    (["--method", "kvzip", "--no-merge"], "error: --method kvzip does not take --merge/--no-merge"),
+    (["--method", "none", "--window", "4"], "it has no method options"),
+    (["--method", "pyramidkv", "--budget", "global"], "error: pyramidkv: budget must be one of layer, head"),
+    (["--method", "d2o", "--beta", "2"], "error: d2o: beta must be a number in [0.0, 1.0]"),
+])
+def test_build_refuses_options_the_method_does_not_take(docs, models, tmp_path, args, message):
+    res = _run(["build", str(docs / "alpha.txt"), "--model", models["llama"], "--device", "cpu",
+                "--out", str(tmp_path / "out"), *args], code=1)
+    assert message in res.stderr
+    assert not (tmp_path / "out" / "alpha.kvpack").exists()
+
+
+def test_build_quantized_packs_and_info_shows_quantization_and_errors(models, tmp_path):
+    out = tmp_path / "packs"
+    (tmp_path / "alpha.txt").write_text(TEXT * 3, encoding="utf-8")  # long enough for several groups per head
+    base = ["build", str(tmp_path / "alpha.txt"), "--model", models["llama"], "--device", "cpu", "--chunk-size",
+            "64", "--ratio", "1.0", "--out", str(out)]
+    _run(base + ["--zstd-level", "0"])
+    plain = (out / "alpha.kvpack").stat().st_size
+    info = _run(["info", str(out / "alpha.kvpack")]).stdout
+    assert re.search(r"format\s+kvpack v1", info) and re.search(r"zstd\s+off$", info, re.M)
+    assert "quantization error per layer" not in info
+
+    assert _status(_run(base + ["--quant", "int4"])) == {"alpha": "built"}  # quantization is a new setting
+    assert _status(_run(base + ["--quant", "int4"])) == {"alpha": "skipped (up to date)"}
+    assert _status(_run(base + ["--quant", "int4", "--group-size", "64"])) == {"alpha": "built"}
+    assert _status(_run(base + ["--quant", "int4", "--group-size", "64", "--zstd-level", "5"])) == {"alpha": "built"}
+    assert (out / "alpha.kvpack").stat().st_size < plain / 3
+    info = _run(["info", str(out / "alpha.kvpack")]).stdout
+    assert re.search(r"format\s+kvpack v2", info) and re.search(r"zstd\s+level 5: ", info)
+    assert re.search(r"quantization\s+int4, group size 64 ", info)
+    rows = re.findall(r"^\s+(\d)\s+([\d.e-]+)\s+([\d.e-]+)\s+([\d.e-]+)\s+([\d.e-]+)\s+([\d.]+)%$", info, re.M)
+    assert [r[0] for r in rows] == ["0", "1"], info
+    assert all(float(r[1]) >= float(r[2]) > 0 and float(r[5]) > 0 for r in rows)
+    sections = dict(re.findall(r"^\s+(\w+)\s+([\d,]+)\s+[\d.]+%$", info, re.M))
+    assert sections.pop("total") == f"{(out / 'alpha.kvpack').stat().st_size:,}"
+    assert {"key_codes", "key_scales", "key_mins", "value_codes", "value_scales", "value_mins"} <= set(sections)
+    assert sum(int(v.replace(",", "")) for v in sections.values()) == (out / "alpha.kvpack").stat().st_size
+    res = _run(["ask", str(out / "alpha.kvpack"), "What is the secret code of Alice?", "--model", models["llama"],
+                "--device", "cpu", "--max-new-tokens", "4"])
+    assert res.stdout.endswith("\n")
+
+
+def test_int4_build_fits_a_16_dim_head(docs, models, tmp_path):
+    res = _run(["build", str(docs / "alpha.txt"), "--model", models["qwen2"], "--device", "cpu", "--quant", "int4",
+                "--group-size", "128", "--out", str(tmp_path / "out")])  # values: groups of min(128, 16) channels
+    assert "1 built" in res.stdout

@@ -15,6 +15,7 @@ import tracemalloc
 import pytest
 import safetensors.torch
 import torch
+import zstandard
 
 from kvpack import constants as C
 from kvpack.errors import (
@@ -30,6 +31,7 @@ from kvpack.fileformat import load_pack, read_header, verify
 from .golden_packs import GOLDEN_DIR
 
 GOLD = (GOLDEN_DIR / "small_f32.kvpack").read_bytes()
+NEWER = str(C.MAX_READABLE_VERSION + 1)
 N = int.from_bytes(GOLD[:8], "little")
 
 
@@ -57,9 +59,9 @@ def assemble(obj: dict, buf: bytes, sign: bool = True, text: bytes | None = None
     return len(text).to_bytes(8, "little") + text + buf
 
 
-def forge(edit_header=None, tensors: dict[str, bytes] | None = None, sign: bool = True) -> bytes:
-    """The golden file with some tensors' bytes replaced (same size, checksums updated) and/or the header edited."""
-    obj, buf = split()
+def forge(edit_header=None, tensors: dict[str, bytes] | None = None, sign: bool = True, base: bytes = GOLD) -> bytes:
+    """A golden file with some tensors' bytes replaced (same size, checksums updated) and/or the header edited."""
+    obj, buf = split(base)
     buf = bytearray(buf)
     sums = json.loads(obj["__metadata__"]["tensor_sha256"])
     for name, data in (tensors or {}).items():
@@ -158,8 +160,115 @@ def _plain_safetensors() -> bytes:
     return safetensors.torch.save({"a": torch.zeros(3)}, metadata={"format": "pt"})
 
 
+# --- version 2: zstd frames and quantized layers ---------------------------------------------------------------
+
+GOLD_Z = (GOLDEN_DIR / "small_f32_zstd.kvpack").read_bytes()  # every tensor one zstd frame
+GOLD_Q = (GOLDEN_DIR / "small_int4.kvpack").read_bytes()  # int4, group size 32, no zstd
+TOKEN_IDS_RAW = struct.pack("<8i", 1, 5, 9, 300, 70000, 2, 0, 2**31 - 1)  # golden_f32's token ids
+
+
+def restore(base: bytes, blobs: dict[str, bytes] | None = None, edit_header=None, drop: tuple[str, ...] = (),
+            sign: bool = True) -> bytes:
+    """``base`` with some tensors' stored bytes replaced by bytes of any length (an encoded tensor's index shape,
+    all offsets and checksums recomputed), tensors dropped, and/or the header edited."""
+    obj, buf = split(base)
+    meta = obj["__metadata__"]
+    names = sorted((n for n in obj if n != "__metadata__"), key=lambda n: obj[n]["data_offsets"][0])
+    parts = {n: buf[obj[n]["data_offsets"][0] : obj[n]["data_offsets"][1]] for n in names}
+    parts.update(blobs or {})
+    codecs = json.loads(meta.get("tensor_codecs", "{}"))
+    sums, out, end = {}, b"", 0
+    for n in names:
+        if n in drop:
+            del obj[n]
+            codecs.pop(n, None)
+            continue
+        obj[n]["data_offsets"] = [end, end + len(parts[n])]
+        if n in codecs:
+            obj[n]["shape"] = [len(parts[n])]
+        sums[n] = sha(parts[n])
+        out += parts[n]
+        end += len(parts[n])
+    meta["tensor_sha256"] = canon(sums).decode()
+    if "tensor_codecs" in meta:
+        meta["tensor_codecs"] = canon(codecs).decode()
+    if edit_header is not None:
+        edit_header(obj)
+    return assemble(obj, out, sign=sign)
+
+
+def zframe(raw: bytes, content_size: bool = True) -> bytes:
+    """``raw`` shuffled as 4-byte elements (the token ids' filter) in one zstd frame."""
+    shuffled = bytes(raw[i * 4 + j] for j in range(4) for i in range(len(raw) // 4))
+    return zstandard.ZstdCompressor(level=3, write_content_size=content_size).compress(shuffled)
+
+
+def huge_frame(size: int = 2**40) -> bytes:
+    """A hand-made zstd frame header declaring ``size`` decompressed bytes, then one empty last raw block."""
+    return b"\x28\xb5\x2f\xfd" + bytes([0xC0, 0x00]) + size.to_bytes(8, "little") + b"\x01\x00\x00"
+
+
+def set_codec(name, key, value):
+    def edit(obj):
+        codecs = json.loads(obj["__metadata__"]["tensor_codecs"])
+        codecs[name][key] = value
+        obj["__metadata__"]["tensor_codecs"] = canon(codecs).decode()
+
+    return edit
+
+
+def _flipped_frame_byte() -> bytes:
+    obj, buf = split(GOLD_Z)
+    b, e = obj["layers.0.values"]["data_offsets"]
+    frame = bytearray(buf[b:e])
+    frame[len(frame) // 2] ^= 0x10
+    return restore(GOLD_Z, {"layers.0.values": bytes(frame)})
+
+
 T = TruncatedFileError
 X = CorruptFileError
+CASES_V2 = {
+    # zstd frames (data level: each tensor's SHA-256 matches, so the frame checks are what fire)
+    "zstd frame damaged, checksum re-signed": (_flipped_frame_byte(), X),
+    "zstd frame declares another size": (restore(GOLD_Z, {"token_ids": zframe(TOKEN_IDS_RAW + bytes(4))}), X),
+    "zstd frame declares 2**40 bytes": (restore(GOLD_Z, {"token_ids": huge_frame()}), X),
+    "zstd frame declares 2**64-2 bytes": (restore(GOLD_Z, {"token_ids": huge_frame(2**64 - 2)}), X),
+    "zstd frame without content size": (restore(GOLD_Z, {"token_ids": zframe(TOKEN_IDS_RAW, False)}), X),
+    "zstd frame then trailing bytes": (restore(GOLD_Z, {"token_ids": zframe(TOKEN_IDS_RAW) + b"\0\0"}), X),
+    "two zstd frames": (restore(GOLD_Z, {"token_ids": zframe(TOKEN_IDS_RAW) + zframe(TOKEN_IDS_RAW)}), X),
+    "not a zstd frame": (restore(GOLD_Z, {"token_ids": b"not compressed at all"}), X),
+    "empty zstd frame bytes": (restore(GOLD_Z, {"token_ids": b""}), X),
+    "skippable zstd frame": (restore(GOLD_Z, {"token_ids": b"\x50\x2a\x4d\x18" + struct.pack("<I", 0)}), X),
+    "zstd frame cut short": (restore(GOLD_Z, {"token_ids": zframe(TOKEN_IDS_RAW)[:-6]}), X),
+    # tensor_codecs (header level)
+    "unknown codec": (restore(GOLD_Z, edit_header=set_codec("token_ids", "codec", "lz4")), X),
+    "unknown filter": (restore(GOLD_Z, edit_header=set_codec("token_ids", "filter", "xor")), X),
+    "delta filter on floats": (restore(GOLD_Z, edit_header=set_codec("layers.0.keys", "filter", "delta_shuffle")), X),
+    "raw_bytes not shape x itemsize": (restore(GOLD_Z, edit_header=set_codec("token_ids", "raw_bytes", 36)), X),
+    "codec level 0": (restore(GOLD_Z, edit_header=set_codec("token_ids", "level", 0)), X),
+    "codec extra key": (restore(GOLD_Z, edit_header=set_codec("token_ids", "note", 1)), X),
+    "codec decodes to a huge tensor": (restore(GOLD_Z, edit_header=lambda o: (
+        set_codec("token_ids", "shape", [2**31 - 1])(o), set_codec("token_ids", "raw_bytes", 4 * (2**31 - 1))(o))), X),
+    "codec for an unknown tensor": (restore(GOLD_Z, edit_header=lambda o: o["__metadata__"].update(
+        tensor_codecs=o["__metadata__"]["tensor_codecs"][:-1] + ',"zz":{}}')), X),
+    "empty tensor_codecs": (forge(set_meta("tensor_codecs", "{}"), base=GOLD_Q), X),
+    "v1 file with tensor_codecs": (restore(GOLD_Z, edit_header=set_meta("format_version", "1")), X),
+    "zstd file says version 3": (restore(GOLD_Z, edit_header=set_meta("format_version", NEWER)),
+                                  UnsupportedVersionError),
+    # quantization (header level unless noted)
+    "quant type int3": (forge(set_meta("quant", '{"group_size":32,"type":"int3"}'), base=GOLD_Q), X),
+    "quant group size 0": (forge(set_meta("quant", '{"group_size":0,"type":"int4"}'), base=GOLD_Q), X),
+    "quant group size 16": (forge(set_meta("quant", '{"group_size":16,"type":"int4"}'), base=GOLD_Q), X),
+    "quant says int8 for int4 codes": (forge(set_meta("quant", '{"group_size":32,"type":"int8"}'), base=GOLD_Q), X),
+    "quant not JSON": (forge(set_meta("quant", "int4"), base=GOLD_Q), X),
+    "quant key missing": (forge(lambda o: o["__metadata__"].pop("quant"), base=GOLD_Q), X),
+    "key_codes missing": (restore(GOLD_Q, drop=("layers.0.key_codes",)), X),
+    "value_mins missing": (restore(GOLD_Q, drop=("layers.1.value_mins",)), X),
+    "sink_tokens breaks the layout rule": (forge(set_kvpack("sink_tokens", 7), base=GOLD_Q), X),  # data level
+}
+DATA_LEVEL_V2 = {name for name in CASES_V2 if name.startswith(("zstd frame", "two zstd", "not a zstd", "empty zstd",
+                                                                 "skippable", "sink_tokens"))}
+
 CASES = {
     # sizes and magic
     "empty": (b"", T),
@@ -191,8 +300,10 @@ CASES = {
     "missing tensor_sha256": (forge(lambda o: o["__metadata__"].pop("tensor_sha256")), X),
     "format_version 0": (forge(set_meta("format_version", "0")), X),
     "format_version text": (forge(set_meta("format_version", "one")), X),
-    "format_version 2": (forge(set_meta("format_version", "2")), UnsupportedVersionError),
-    "format_version 2 unsigned": (forge(set_meta("format_version", "2"), sign=False), UnsupportedVersionError),
+    "format_version newer": (forge(set_meta("format_version", NEWER)), UnsupportedVersionError),
+    "format_version newer unsigned": (forge(set_meta("format_version", NEWER), sign=False), UnsupportedVersionError),
+    "format_version 2 without v2 features": (forge(set_meta("format_version", "2")), X),
+    "v1 file with quant key": (forge(set_meta("quant", '{"group_size":32,"type":"int4"}')), X),
     "format_version huge": (forge(set_meta("format_version", "9" * 400)), X),
     # tensor index
     "overlapping offsets": (forge(overlap), X),
@@ -229,7 +340,8 @@ CASES = {
     "negative token id": (forge(tensors={"token_ids": i32(1, 5, 9, 300, -7, 2, 0, 1)}), X),
 }
 # Checks that need the tensor data: read_header does not see these problems.
-DATA_LEVEL = {
+CASES.update(CASES_V2)
+DATA_LEVEL = DATA_LEVEL_V2 | {
     "tensor checksum mismatch",
     "head_lengths not summing",
     "head_lengths negative",
@@ -261,7 +373,7 @@ def test_hostile_file_header_only(case):
             read_header(data)
 
 
-@pytest.mark.parametrize("case", ["cut inside header", "wrong magic", "format_version 2", "positions decreasing"])
+@pytest.mark.parametrize("case", ["cut inside header", "wrong magic", "format_version newer", "positions decreasing"])
 def test_hostile_file_on_disk_names_the_file(tmp_path, case):
     data, error = CASES[case]
     path = tmp_path / "bad.kvpack"
@@ -276,7 +388,7 @@ def test_forge_without_changes_is_the_golden_file():
 
 def test_newer_version_says_upgrade():
     with pytest.raises(UnsupportedVersionError, match="upgrade kvpack"):
-        load_pack(CASES["format_version 2"][0])
+        load_pack(CASES["format_version newer"][0])
 
 
 def test_checksum_error_names_the_section():
@@ -321,3 +433,50 @@ def test_every_byte_flipped_once_is_detected_quickly():
         with pytest.raises(PackFormatError):
             load_pack(bytes(data))
     assert time.monotonic() - start < 60
+
+
+# --- version 2 --------------------------------------------------------------------------------------------------
+
+
+def test_restore_without_changes_is_the_golden_file():
+    assert restore(GOLD_Z) == GOLD_Z and restore(GOLD_Q) == GOLD_Q
+
+
+@pytest.mark.parametrize("case", ["zstd frame declares 2**40 bytes", "zstd frame declares 2**64-2 bytes",
+                                  "codec decodes to a huge tensor"])
+def test_huge_declared_sizes_allocate_nothing(case):
+    data, error = CASES[case]
+    tracemalloc.start()
+    try:
+        with pytest.raises(error, match="kvpack"):
+            load_pack(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000
+
+
+def test_zstd_errors_name_the_tensor_and_the_problem():
+    for case, pattern in (("zstd frame declares another size", "'token_ids'.*declares 36 decompressed bytes.*32"),
+                          ("zstd frame without content size", "'token_ids'.*does not declare its decompressed size"),
+                          ("zstd frame damaged, checksum re-signed", "'layers.0.values'.*damaged"),
+                          ("codec decodes to a huge tensor", "decompression bomb")):
+        with pytest.raises(CorruptFileError, match=pattern):
+            load_pack(CASES[case][0])
+
+
+def test_every_byte_of_a_frame_flipped_and_re_signed_is_an_error_or_changes_nothing():
+    """zstd's content checksum and the size checks catch damage the SHA-256 no longer sees (it was re-signed);
+    a flip that changes nothing decoded (e.g. a larger window) may load, but then to the very same pack."""
+    obj, buf = split(GOLD_Z)
+    b, e = obj["layers.0.keys"]["data_offsets"]
+    good = load_pack(GOLD_Z)
+    for i in range(e - b):
+        frame = bytearray(buf[b:e])
+        frame[i] ^= 1 << (i % 8)
+        data = restore(GOLD_Z, {"layers.0.keys": bytes(frame)})
+        try:
+            pack = load_pack(data)
+        except PackFormatError:
+            continue
+        assert torch.equal(pack.layers[0].keys, good.layers[0].keys), f"byte {i} of the frame changed the keys"

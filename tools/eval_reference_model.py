@@ -23,6 +23,25 @@ import kvpack  # noqa: E402
 from kvpack.evaluation import full_cache_retrieval  # noqa: E402
 
 
+@torch.inference_mode()
+def heldout_perplexity(model, tokenizer, window: int = 1024, max_windows: int = 40) -> tuple[float, int]:
+    """Perplexity of plain next-token prediction on the held-out haystack documents, in ``window``-token
+    windows (BOS + text); returns (perplexity, tokens scored)."""
+    from kvpack import tasks
+
+    ids = []
+    for doc in tasks.haystack_documents():
+        ids += tokenizer.encode(doc, add_special_tokens=False)
+    nll, count = 0.0, 0
+    for start in range(0, min(len(ids), window * max_windows), window):
+        chunk = [tokenizer.bos_token_id] + ids[start : start + window - 1]
+        x = torch.tensor([chunk], device=model.device)
+        logits = model(input_ids=x).logits[0, :-1].float()
+        nll += torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").item()
+        count += len(chunk) - 1
+    return float(torch.exp(torch.tensor(nll / count))), count
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model folder (default: the embedded reference model)")
@@ -33,6 +52,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     model, tok = kvpack.load_model(args.model)
+    ppl, scored = heldout_perplexity(model, tok)
+    print(f"held-out perplexity: {ppl:.2f} over {scored} tokens (1024-token windows)\n")
     results = []
     print("| context tokens | trials | accuracy | depth 0-33% | depth 33-67% | depth 67-100% | seconds |")
     print("|---|---|---|---|---|---|---|")
@@ -47,7 +68,7 @@ def main() -> None:
         results.append(r)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "results": results}, indent=1))
+        Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "perplexity": ppl, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,22 +1,48 @@
-"""The registry of compression methods: name -> class. It drives ``--method`` and the per-method tests."""
+"""The registry of compression methods: name -> class. It drives ``--method``, the CLI's method options and the
+per-method tests (``tests/test_methods.py`` runs every entry on every tiny architecture)."""
 
 from __future__ import annotations
 
+from ..errors import InputError
 from .base import Method
+from .d2o import D2O
+from .h2o import H2O
+from .knorm import KNorm
 from .kvzip import KVzip
+from .none import NoCompression
+from .pyramidkv import PyramidKV
+from .random import RandomScores
+from .snapkv import SnapKV
+from .streaming import StreamingLLM
 
 __all__ = ["METHODS", "Method", "get_method"]
 
-METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (KVzip,)}
+METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (
+    KVzip, D2O, StreamingLLM, H2O, SnapKV, PyramidKV, KNorm, RandomScores, NoCompression)}
 
 
-def get_method(name: str, **params) -> Method:
-    """Instantiate method ``name`` with ``params``. Raises ``InputError`` for unknown names or parameters."""
-    from ..errors import InputError
+def get_method(name: str, defaults: dict | None = None, **params) -> Method:
+    """Instantiate method ``name`` with ``params``.
 
+    Args:
+        name: a key of ``METHODS``.
+        defaults: values used for the method's parameters that ``params`` does not set, when the method has
+            such a parameter (e.g. ``{"chunk_size": 2048}`` from ``kvpack.compress`` for KVzip); others ignored.
+        **params: the method's parameters; each must be one of its dataclass fields.
+
+    Raises:
+        InputError: unknown method, a parameter the method does not take (naming the ones it does), or a bad
+            value (the method's own check).
+    """
     if name not in METHODS:
         raise InputError(f"unknown method {name!r}; choose one of: {', '.join(sorted(METHODS))}")
-    try:
-        return METHODS[name](**params)
-    except TypeError as exc:
-        raise InputError(f"bad parameters for method {name!r}: {exc}") from None
+    cls = METHODS[name]
+    accepted = cls.parameter_names()
+    unknown = [p for p in params if p not in accepted]
+    if unknown:
+        takes = f"it takes: {', '.join(accepted)}" if accepted else "it takes no parameters"
+        raise InputError(f"bad parameters for method {name!r}: it has no parameter "
+                         f"{', '.join(repr(p) for p in unknown)} ({takes})")
+    merged = {k: v for k, v in (defaults or {}).items() if k in accepted}
+    merged.update(params)
+    return cls(**merged)

@@ -1,38 +1,201 @@
-"""What every compression method shares: the scoring interface, budget selection and gathering.
+"""What every compression method shares: parameters, budgets, top-k selection, gathering, and the merge hook.
 
-A method scores each cached context entry of every full-attention layer; the base keeps the top
-``round(ratio x entries)`` of them (globally over layers x KV heads x positions, so budgets differ per head),
-always keeps the attention sink (the chat-template prefix), and gathers the kept keys, values and positions into
-a ``Pack``. Sliding-window layers of hybrid models are kept intact and are not counted in the budget.
+A method is a small dataclass whose fields are its parameters; it writes only how it scores (``score``) and, where
+its paper says so, how it splits the budget (``layer_budgets``, ``select_heads``) or changes the kept entries
+(``update_entries``, D2O's merge). ``kvpack.compress`` drives every method the same way::
+
+    recorder = method.recorder(spec, tokens, device)          # prefill attention statistics, or None
+    full = prefill(..., recorder=recorder, observed_ids=method.observed_ids(tokenizer, layout))
+    scores = method.score(model, tokenizer, full)             # [compressed_layers, kv_heads, context_tokens]
+    keep = method.select(scores, ratio, full)                 # exactly round(ratio x entries) entries
+    layers = gather(full, keep)                               # sink + kept entries per head, in position order
+    merged = method.update_entries(full, keep, layers)        # D2O: merge evicted entries into kept ones
+
+The budget is ``round(ratio x entries)`` context entries over all compressed layers x KV heads x context tokens.
+``select`` picks the top scores within a scope:
+
+    global  one top-k over everything (heads and layers get non-uniform budgets; KVzip, arXiv 2505.23416 §3.3)
+    layer   per-layer budgets (``layer_budgets``, else an even split), top-k over each layer's heads x tokens
+    head    the layer budget split evenly over its KV heads (+-1 for rounding), top-k within each head
+
+The attention sink (the chat-template prefix) is kept in every head of compressed layers and is not counted;
+sliding-window layers of hybrid models are kept intact and are not counted either.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Callable, ClassVar
 
 import torch
 
+from ..errors import InputError
+from ..model import ModelSpec
 from ..pack import LayerEntries
 from ..prefill import Prefill
+from ..stats import AttentionRecorder
 
-__all__ = ["Method", "select_global", "gather"]
+__all__ = ["Method", "SCOPES", "select_global", "top_k_rows", "split_evenly", "fit_budgets", "gather",
+           "context_stats", "check_int", "check_float", "check_choice", "check_bool"]
+
+#: The top-k scopes of ``Method.select``.
+SCOPES = ("global", "layer", "head")
 
 
 @dataclass
 class Method:
-    """Base class of compression methods. Subclasses are dataclasses whose fields are their parameters."""
+    """Base class of compression methods. Subclasses are dataclasses whose fields are their parameters.
+
+    Class attributes:
+        name: the registry name (``--method``).
+        scopes: the values the method's ``budget`` field may take; empty when it has no ``budget`` field.
+        fixed_scope: the scope of a method without a ``budget`` field.
+    """
 
     name: ClassVar[str] = ""
+    scopes: ClassVar[tuple[str, ...]] = ()
+    fixed_scope: ClassVar[str] = "global"
+
+    def __post_init__(self):
+        if self.scopes:
+            check_choice(self.name, "budget", getattr(self, "budget", None), self.scopes)
+
+    @classmethod
+    def parameter_names(cls) -> tuple[str, ...]:
+        """The method's parameters (its dataclass fields), in declaration order."""
+        return tuple(f.name for f in fields(cls))
 
     def params(self) -> dict:
         """The method's parameters as stored in the pack's metadata."""
         return asdict(self)
 
+    @property
+    def scope(self) -> str:
+        """The top-k scope ``select`` uses: the ``budget`` parameter, or ``fixed_scope``."""
+        return getattr(self, "budget", self.fixed_scope) if self.scopes else self.fixed_scope
+
+    def kept_ratio(self, ratio: float) -> float:
+        """The ratio actually kept (``none`` keeps everything, whatever is asked)."""
+        return ratio
+
+    def recorder(self, spec: ModelSpec, tokens: int, device) -> AttentionRecorder | None:
+        """The prefill attention statistics ``score`` needs (``kvpack.stats``), or ``None`` (the default)."""
+        return None
+
+    def observed_ids(self, tokenizer, layout) -> list[int]:
+        """Tokens fed after the context only for the recorder to see their attention (SnapKV's question)."""
+        return []
+
     def score(self, model, tokenizer, prefill: Prefill, progress: Callable[[int], None] | None = None
               ) -> torch.Tensor:
         """Scores ``[compressed_layers, kv_heads, context_tokens]`` float32, higher = more worth keeping."""
         raise NotImplementedError
+
+    def layer_budgets(self, prefill: Prefill | None, scores: torch.Tensor, total: int) -> torch.Tensor | None:
+        """``[compressed_layers]`` int64 context entries per layer summing to ``total``, or ``None`` (default:
+        the scope decides: global top-k, or an even split)."""
+        return None
+
+    def select_heads(self, scores: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
+        """Keep mask ``[layers, kv_heads, tokens]`` bool with ``budgets[l, h]`` (``[layers, kv_heads]`` int64)
+        entries in head ``(l, h)``; default: the top scores of each head."""
+        layers, heads, n = scores.shape
+        return top_k_rows(scores.reshape(layers * heads, n), budgets.reshape(-1)).view(layers, heads, n)
+
+    def select(self, scores: torch.Tensor, ratio: float, prefill: Prefill | None = None) -> torch.Tensor:
+        """Keep mask ``[layers, kv_heads, tokens]`` bool with exactly ``round(ratio * scores.numel())`` entries.
+
+        Args:
+            scores: ``[compressed_layers, kv_heads, context_tokens]`` from ``score``.
+            ratio: fraction kept, in (0, 1].
+            prefill: passed to ``layer_budgets`` (D2O reads its attention statistics).
+
+        Ties are broken by index (stable sort), so the selection is deterministic.
+        """
+        scores = scores.detach().float().cpu().nan_to_num(nan=float("-inf"))
+        layers, heads, n = scores.shape
+        total = int(round(ratio * scores.numel()))
+        per_layer = self.layer_budgets(prefill, scores, total)
+        scope = self.scope
+        if per_layer is None:
+            if scope == "global":
+                return top_k_rows(scores.reshape(1, -1), torch.tensor([total])).view(layers, heads, n)
+            per_layer = split_evenly(total, layers)
+        elif scope == "global":
+            raise RuntimeError(f"{self.name}: layer budgets need the 'layer' or 'head' scope")
+        if scope == "layer":
+            return top_k_rows(scores.reshape(layers, heads * n), per_layer).view(layers, heads, n)
+        per_head = torch.stack([split_evenly(int(b), heads) for b in per_layer])
+        return self.select_heads(scores, per_head)
+
+    def update_entries(self, prefill: Prefill, keep: torch.Tensor, layers: list[LayerEntries]) -> dict:
+        """Change the gathered entries in place after selection (D2O's merge); returns statistics for the
+        pack's metadata (``{}``: nothing changed, the default)."""
+        return {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# budgets and top-k
+
+
+def split_evenly(total: int, parts: int) -> torch.Tensor:
+    """``[parts]`` int64 summing to ``total``: ``total // parts`` each, the first ``total % parts`` one more."""
+    out = torch.full((parts,), total // parts, dtype=torch.int64)
+    out[: total % parts] += 1
+    return out
+
+
+def fit_budgets(weights: torch.Tensor, total: int, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """Integer budgets proportional to ``weights``, clamped to ``[low, high]``, summing to ``total`` exactly.
+
+    The continuous solution is ``x_l = clamp(c * w_l, low_l, high_l)`` with ``c`` found by bisection so that
+    ``sum x = total`` (what a layer loses to its clamp is redistributed to the others in proportion to their
+    weights); it is then rounded down and the remainder handed out by largest fractional part.
+
+    Args:
+        weights: ``[n]`` non-negative (all zero: equal weights).
+        total: the budget; ``low.sum() <= total <= high.sum()``.
+        low, high: ``[n]`` int64 bounds, ``low <= high``.
+
+    Returns:
+        ``[n]`` int64, ``low <= out <= high``, ``out.sum() == total``.
+
+    Raises:
+        ValueError: the bounds cannot hold ``total``.
+    """
+    w = weights.detach().double().cpu().clamp_min(0)
+    lo, hi = low.double().cpu(), high.double().cpu()
+    if not (lo.sum() <= total <= hi.sum()) or bool((lo > hi).any()):
+        raise ValueError(f"budgets in [{low.tolist()}, {high.tolist()}] cannot sum to {total}")
+    if not bool((w > 0).any()):
+        w = torch.ones_like(w)
+    a, b = 0.0, float((hi / w.clamp_min(1e-300)).max()) + 1.0
+    for _ in range(200):  # sum(clamp(c * w)) is non-decreasing in c
+        c = (a + b) / 2
+        if float(torch.minimum(torch.maximum(c * w, lo), hi).sum()) < total:
+            a = c
+        else:
+            b = c
+    x = torch.minimum(torch.maximum(b * w, lo), hi)
+    out = torch.minimum(torch.maximum(x.floor(), lo), hi).long()
+    order = torch.sort(x - x.floor(), descending=True, stable=True).indices.tolist()
+    low_l, high_l = low.tolist(), high.tolist()
+    while int(out.sum()) != total:
+        step = 1 if int(out.sum()) < total else -1
+        for i in order if step > 0 else reversed(order):
+            if int(out.sum()) == total:
+                break
+            if (step > 0 and out[i] < high_l[i]) or (step < 0 and out[i] > low_l[i]):
+                out[i] += step
+    return out
+
+
+def top_k_rows(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``[rows, n]`` bool marking the ``k[r]`` highest scores of each row ``r`` (``scores``: ``[rows, n]``,
+    ``k``: ``[rows]`` int64, ``0 <= k <= n``). Ties go to the lower index (stable sort)."""
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices
+    ranked = torch.arange(scores.shape[1])[None, :] < k.reshape(-1, 1)
+    return torch.zeros(scores.shape, dtype=torch.bool).scatter_(1, order, ranked)
 
 
 def select_global(scores: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -40,13 +203,26 @@ def select_global(scores: torch.Tensor, ratio: float) -> torch.Tensor:
 
     Ties are broken by index (stable sort on CPU), so the selection is deterministic.
     """
-    flat = scores.detach().float().cpu().reshape(-1)
-    k = int(round(ratio * flat.numel()))
-    keep = torch.zeros(flat.numel(), dtype=torch.bool)
-    if k > 0:
-        order = torch.sort(flat, descending=True, stable=True).indices[:k]
-        keep[order] = True
-    return keep.view(scores.shape)
+    flat = scores.detach().float().cpu().reshape(1, -1)
+    return top_k_rows(flat, torch.tensor([int(round(ratio * flat.numel()))])).view(scores.shape)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# statistics and gathering
+
+
+def context_stats(prefill: Prefill, which: str) -> torch.Tensor:
+    """A recorded attention statistic of the context keys, per KV head: ``[compressed_layers, kv_heads,
+    context_tokens]`` float32 on the prefill's device.
+
+    ``which``: ``"column_sums"`` or ``"window_sums"`` (``kvpack.stats.AttentionRecorder``). The query heads of a
+    GQA group are averaged. Raises ``RuntimeError`` if the prefill did not record it.
+    """
+    sums = getattr(prefill.stats, which, None)
+    if sums is None:
+        raise RuntimeError(f"the prefill did not record {which}; the method's recorder() must ask for it")
+    kv_heads = prefill.spec.num_kv_heads
+    return torch.stack([s.view(kv_heads, -1, s.shape[-1]).mean(dim=1)[:, prefill.sink :] for s in sums])
 
 
 def gather(prefill: Prefill, keep: torch.Tensor) -> list[LayerEntries]:
@@ -77,3 +253,34 @@ def gather(prefill: Prefill, keep: torch.Tensor) -> list[LayerEntries]:
         layers.append(LayerEntries(torch.cat(rows_k), torch.cat(rows_v), torch.cat(rows_p),
                                    torch.tensor(lengths, dtype=torch.int64)))
     return layers
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# parameter checks (InputError naming the method and the parameter)
+
+
+def check_int(method: str, field: str, value, low: int) -> None:
+    """Raise ``InputError`` unless ``value`` is an integer ``>= low``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise InputError(f"{method}: {field} must be an integer >= {low}, got {value!r}")
+
+
+def check_float(method: str, field: str, value, low: float, high: float, *, low_open: bool = False) -> None:
+    """Raise ``InputError`` unless ``value`` is a number in ``[low, high]`` (``(low, high]`` if ``low_open``)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value <= high and (
+        value > low if low_open else value >= low)
+    if not ok:
+        raise InputError(f"{method}: {field} must be a number in {'(' if low_open else '['}{low}, {high}], "
+                         f"got {value!r}")
+
+
+def check_choice(method: str, field: str, value, choices: tuple[str, ...]) -> None:
+    """Raise ``InputError`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise InputError(f"{method}: {field} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def check_bool(method: str, field: str, value) -> None:
+    """Raise ``InputError`` unless ``value`` is ``True`` or ``False``."""
+    if not isinstance(value, bool):
+        raise InputError(f"{method}: {field} must be true or false, got {value!r}")

@@ -1,0 +1,28 @@
+"""No compression: the full cache, stored in the same format (the reference every method is compared to)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+
+from ..prefill import Prefill
+from .base import Method
+
+__all__ = ["NoCompression"]
+
+
+@dataclass
+class NoCompression(Method):
+    """Keep every entry, whatever ratio is asked: the pack records ratio 1.0. No parameters."""
+
+    name: ClassVar[str] = "none"
+
+    def kept_ratio(self, ratio: float) -> float:
+        return 1.0
+
+    def score(self, model, tokenizer, prefill: Prefill, progress: Callable[[int], None] | None = None
+              ) -> torch.Tensor:
+        spec = prefill.spec
+        return torch.ones(len(spec.compressed_layers), spec.num_kv_heads, prefill.context_tokens)

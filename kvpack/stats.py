@@ -1,0 +1,187 @@
+"""Prefill attention statistics, recorded chunk by chunk while the context is prefilled (one pass).
+
+Methods that score by the attention the context itself pays (H2O, D2O, SnapKV, PyramidKV) give ``prefill`` an
+``AttentionRecorder``. For every chunk and every compressed layer, the ``"kvpack"`` attention function hands the
+recorder the chunk's queries and keys and, when column sums are kept, each query's log-sum-exp ``lse`` (computed
+with the attention output), so the probability of query ``i`` over key ``j`` is
+``p[i, j] = exp(q_i . k_j * scaling - lse_i)``. Two statistics are kept, per compressed layer and per query head,
+over the key positions ``0 .. tokens - 1``:
+
+    column_sums[h, j] = sum over every query i of the context of p_h[i, j]    (the attention key j receives)
+    window_sums[h, j] = sum over the observation-window queries of p_h[i, j] (SnapKV, arXiv 2404.14469 §4)
+
+No tokens x tokens matrix is built. On CPU the column sums of a chunk come from one more call of the fused flash
+kernel, on the transposed problem (keys as queries, queries as keys, ``-lse_i`` as a bias on column ``i``): its
+log-sum-exp is ``log sum_i exp(q_i . k_j * scaling - lse_i)``, the log of the column sum. Elsewhere (and when a
+sliding window cuts the chunk) they are summed explicitly over blocks of queries. Window sums need only the
+window's few queries: their probabilities are computed explicitly (``w x tokens``) and the chunk's attention
+itself stays plain SDPA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .model import ModelSpec
+
+__all__ = ["AttentionRecorder", "column_sums", "window_sums", "visible_mask", "SUM_BLOCK_ELEMENTS"]
+
+#: Entries of one block of probabilities when column sums are summed explicitly (64 MB of float32).
+SUM_BLOCK_ELEMENTS = 16 * 2**20
+
+
+def visible_mask(q_len: int, kv_len: int, window: int | None, device=None) -> torch.Tensor:
+    """``[q_len, kv_len]`` bool causal visibility of a prefill chunk: its queries are the last ``q_len`` of the
+    keys; query i sees key j when ``pos_j <= pos_i`` (and ``pos_i - pos_j < window`` for a sliding window)."""
+    kpos = torch.arange(kv_len, device=device)[None, :]
+    qpos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    visible = kpos <= qpos
+    if window is not None:
+        visible &= (qpos - kpos) < window
+    return visible
+
+
+def column_sums(query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor, scaling: float,
+                window: int | None = None) -> torch.Tensor:
+    """Attention each key receives from the chunk's queries: ``[heads, kv]`` float32.
+
+    Args:
+        query: ``[1, heads, q, head_dim]``, the last ``q`` positions of the keys (a prefill chunk).
+        key: ``[1, kv_heads, kv, head_dim]``; ``heads`` is a multiple of ``kv_heads`` (GQA: query head ``h``
+            reads KV head ``h // (heads // kv_heads)``).
+        lse: ``[1, heads, q]`` log-sum-exp of each query's attention logits (``q . k * scaling``, masked).
+        scaling: the softmax temperature.
+        window: the layer's sliding window in tokens, or ``None``.
+
+    Returns:
+        ``out[h, j] = sum_i exp(q_i . k_j * scaling - lse_i)`` over the queries ``i`` that see key ``j``.
+    """
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if query.device.type == "cpu" and (window is None or kv_len <= window):
+        return _column_sums_flash(query, key, lse, scaling)
+    return _column_sums_explicit(query, key, lse, scaling, visible_mask(q_len, kv_len, window, query.device))
+
+
+def _augment(query, key, lse, scaling):
+    """``[q * scaling, -lse]`` ``[heads, q, d + 1]`` and ``[k, 1]`` ``[heads, kv, d + 1]`` float32 (keys repeated
+    per GQA group), so that ``q_aug . k_aug = q . k * scaling - lse = log p``."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    q_aug = torch.cat([query[0].float() * scaling, -lse[0].float().unsqueeze(-1)], dim=-1)
+    k = key[0].float().repeat_interleave(heads // kv_heads, dim=0)
+    k_aug = torch.cat([k, k.new_ones(k.shape[0], k.shape[1], 1)], dim=-1)
+    return q_aug, k_aug
+
+
+def _column_sums_flash(query, key, lse, scaling):
+    """CPU: the log-sum-exp of the transposed attention (keys attend to queries, with ``-lse`` of each query as an
+    additive bias broadcast over the keys) is the log column sum.
+
+    Reversing both sequences turns "key j is seen by queries i >= j - (kv - q)" into the fused kernel's top-left
+    causal mask ("row j' sees columns i' <= j'"), so no mask matrix is built and hidden blocks are skipped.
+    """
+    heads, kv_heads = query.shape[1], key.shape[1]
+    rows = key.float().repeat_interleave(heads // kv_heads, dim=1).flip(2)  # [1, heads, kv, d], last key first
+    cols = query.float().flip(2)  # [1, heads, q, d], last query first
+    bias = (-lse.float()).flip(-1).unsqueeze(2).contiguous()  # [1, heads, 1, q]
+    _, log_sums = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(rows, cols, cols, is_causal=True,
+                                                                           attn_mask=bias, scale=scaling)
+    return log_sums[0].flip(-1).exp()
+
+
+def _column_sums_explicit(query, key, lse, scaling, visible):
+    """Any device: sum ``exp(log p)`` over blocks of queries. ``visible``: ``[q, kv]`` bool."""
+    q_aug, k_aug = _augment(query, key, lse, scaling)
+    heads, q_len, kv_len = q_aug.shape[0], q_aug.shape[1], k_aug.shape[1]
+    out = torch.zeros(heads, kv_len, dtype=torch.float32, device=query.device)
+    block = max(1, SUM_BLOCK_ELEMENTS // max(1, heads * kv_len))
+    for s in range(0, q_len, block):
+        log_p = torch.bmm(q_aug[:, s : s + block], k_aug.transpose(1, 2))  # [heads, b, kv]
+        log_p.masked_fill_(~visible[None, s : s + block], float("-inf"))
+        out += log_p.exp_().sum(dim=1)
+    return out
+
+
+def window_sums(query: torch.Tensor, key: torch.Tensor, scaling: float, visible: torch.Tensor) -> torch.Tensor:
+    """Attention each key receives from a few (observation-window) queries: ``[heads, kv]`` float32.
+
+    Args:
+        query: ``[1, heads, w, head_dim]``; key: ``[1, kv_heads, kv, head_dim]`` (GQA allowed).
+        scaling: the softmax temperature.
+        visible: ``[w, kv]`` bool, which keys each query sees (every row at least one).
+
+    The ``w x kv`` probabilities are computed explicitly (``w`` is small: SnapKV's window or a question).
+    """
+    group = query.shape[1] // key.shape[1]
+    k = key[0].float().repeat_interleave(group, dim=0)
+    logits = torch.bmm(query[0].float() * scaling, k.transpose(1, 2)).masked_fill_(~visible[None], float("-inf"))
+    return logits.softmax(dim=-1).sum(dim=1)
+
+
+class AttentionRecorder:
+    """Accumulates prefill attention statistics of the compressed layers, chunk by chunk.
+
+    Args:
+        spec: the model's attention shape; statistics are kept for ``spec.compressed_layers``.
+        tokens: length of the cached sequence (prefix + context); keys at positions ``>= tokens`` (an
+            observation question fed after the context) are not recorded.
+        column_sums: keep ``column_sums`` (every context query).
+        window_start: keep ``window_sums`` over the queries at positions ``>= window_start`` (``None``: none).
+        device: where the statistics live (the model's device).
+
+    Attributes (after the prefill), one tensor per compressed layer, in ``spec.compressed_layers`` order:
+        column_sums: ``[heads, tokens]`` float32, or ``None`` when not asked for.
+        window_sums: ``[heads, tokens]`` float32, or ``None`` when not asked for.
+    """
+
+    def __init__(self, spec: ModelSpec, tokens: int, *, column_sums: bool = False, window_start: int | None = None,
+                 device: torch.device | str = "cpu"):
+        self.tokens = int(tokens)
+        self.window_start = window_start
+        self.index = {l: i for i, l in enumerate(spec.compressed_layers)}
+
+        def zeros():
+            return [torch.zeros(spec.num_heads, self.tokens, dtype=torch.float32, device=device)
+                    for _ in spec.compressed_layers]
+
+        self.column_sums = zeros() if column_sums else None
+        self.window_sums = zeros() if window_start is not None else None
+
+    def wants_columns(self, layer_idx: int, q_start: int) -> bool:
+        """Whether the chunk of layer ``layer_idx`` whose first query is at position ``q_start`` adds to
+        ``column_sums`` (it then needs the queries' log-sum-exp, see ``record``)."""
+        return self.column_sums is not None and layer_idx in self.index and q_start < self.tokens
+
+    def wants_window(self, layer_idx: int, q_start: int, q_len: int) -> bool:
+        """Whether the chunk of queries ``q_start .. q_start + q_len - 1`` of layer ``layer_idx`` holds
+        observation-window queries."""
+        return self.window_sums is not None and layer_idx in self.index and q_start + q_len > self.window_start
+
+    def record(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float, key_start: int,
+               window: int | None, lse: torch.Tensor | None = None) -> None:
+        """Add one chunk's attention of layer ``layer_idx`` to the statistics that want it.
+
+        Args:
+            query: ``[1, heads, q, head_dim]``, the last ``q`` positions of the keys.
+            key: ``[1, kv_heads, kv, head_dim]`` at positions ``key_start .. key_start + kv - 1``.
+            scaling: the softmax temperature.
+            window: the sliding window in tokens, or ``None``.
+            lse: ``[1, heads, q]`` float32 log-sum-exp of the queries' attention logits; needed when
+                ``wants_columns`` (column sums are skipped without it).
+
+        Raises:
+            ValueError: a chunk mixes context queries and observation queries (``prefill`` never does).
+        """
+        i = self.index[layer_idx]
+        q_len, kv_len = query.shape[2], key.shape[2]
+        q_start = key_start + kv_len - q_len
+        stop = min(kv_len, self.tokens - key_start)  # keys inside the cached sequence
+        if lse is not None and self.wants_columns(layer_idx, q_start):
+            if q_start + q_len > self.tokens:
+                raise ValueError("a prefill chunk must not mix context queries and observation queries")
+            sums = column_sums(query, key, lse, scaling, window)
+            self.column_sums[i][:, key_start : key_start + stop] += sums[:, :stop]
+        if self.wants_window(layer_idx, q_start, q_len):
+            first = max(0, self.window_start - q_start)
+            visible = visible_mask(q_len, kv_len, window, query.device)[first:]
+            sums = window_sums(query[:, :, first:], key, scaling, visible)
+            self.window_sums[i][:, key_start : key_start + stop] += sums[:, :stop]

@@ -1,0 +1,106 @@
+"""Prefill attention statistics (kvpack.stats) and the recorded attention agree with brute-force softmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpack.attention import _attention_with_lse_explicit, attention_with_lse
+from kvpack.layout import chat_layout
+from kvpack.model import model_spec
+from kvpack.prefill import prefill
+from kvpack.stats import AttentionRecorder, _column_sums_explicit, column_sums, visible_mask, window_sums
+
+from .tiny import TEXT, tiny_model
+
+
+def _brute(query, key, value, scaling, window=None):
+    """Probabilities ``[heads, q, kv]`` and output ``[1, q, heads, d]`` of causal chunk attention, in float64."""
+    group = query.shape[1] // key.shape[1]
+    k = key[0].double().repeat_interleave(group, 0)
+    v = value[0].double().repeat_interleave(group, 0)
+    vis = visible_mask(query.shape[2], key.shape[2], window)
+    logits = (query[0].double() @ k.transpose(1, 2) * scaling).masked_fill(~vis, float("-inf"))
+    probs = logits.softmax(-1)
+    return probs, (probs @ v).transpose(0, 1).unsqueeze(0), logits.logsumexp(-1)
+
+
+def _chunk(heads=4, kv_heads=2, q_len=13, kv_len=31, dim=8, seed=0):
+    torch.manual_seed(seed)
+    return (torch.randn(1, heads, q_len, dim), torch.randn(1, kv_heads, kv_len, dim) * 2,
+            torch.randn(1, kv_heads, kv_len, dim))
+
+
+@pytest.mark.parametrize("q_len, kv_len, window", [(13, 31, None), (31, 31, None), (1, 9, None), (13, 31, 7)])
+def test_attention_with_lse_matches_softmax(q_len, kv_len, window):
+    q, k, v = _chunk(q_len=q_len, kv_len=kv_len)
+    probs, ref_out, ref_lse = _brute(q, k, v, 0.3, window)
+    vis = visible_mask(q_len, kv_len, window)
+    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    for out, lse in (attention_with_lse(q, k, v, 0.3, window),  # CPU: fused flash (split, or masked)
+                     _attention_with_lse_explicit(q, kr, vr, vis, 0.3, query_block=5)):  # other devices
+        torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse.double(), ref_lse.unsqueeze(0), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_len, kv_len, window", [(13, 31, None), (31, 31, None), (1, 9, None), (13, 31, 7)])
+def test_column_sums_match_brute_force(q_len, kv_len, window, monkeypatch):
+    q, k, v = _chunk(q_len=q_len, kv_len=kv_len)
+    probs, _, _ = _brute(q, k, v, 0.3, window)
+    _, lse = attention_with_lse(q, k, v, 0.3, window)
+    ref = probs.sum(1)  # [heads, kv]
+    torch.testing.assert_close(column_sums(q, k, lse, 0.3, window).double(), ref, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr("kvpack.stats.SUM_BLOCK_ELEMENTS", 50)  # several query blocks
+    vis = visible_mask(q_len, kv_len, window)
+    torch.testing.assert_close(_column_sums_explicit(q, k, lse, 0.3, vis).double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_window_sums_match_brute_force():
+    q, k, v = _chunk()
+    probs, _, lse = _brute(q, k, v, 0.3)
+    vis = visible_mask(13, 31, None)
+    got = window_sums(q[:, :, 9:], k, 0.3, vis[9:])
+    torch.testing.assert_close(got.double(), probs[:, 9:].sum(1), atol=1e-5, rtol=1e-5)
+
+
+def test_recorded_prefill_equals_brute_force_over_the_whole_sequence():
+    """Chunked recording (odd chunk size, GQA) gives the column sums of the full causal attention matrix, and the
+    window sums of its last rows, layer by layer; the KV cache is the one plain prefill gives."""
+    model, tok = tiny_model("qwen3")
+    layout = chat_layout(tok)
+    ids = layout.prefix_ids(tok) + layout.encode(tok, TEXT[:200])
+    spec = model_spec(model)
+    n = len(ids)
+    rec = AttentionRecorder(spec, n, column_sums=True, window_start=n - 5)
+    got = prefill(model, ids, 3, layout, spec, chunk_size=17, recorder=rec)
+    plain = prefill(model, ids, 3, layout, spec, chunk_size=n)
+    for a, b in zip(got.keys + got.values, plain.keys + plain.values):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+    model.set_attn_implementation("eager")
+    try:
+        out = model(input_ids=torch.tensor([ids]), output_attentions=True)
+    finally:
+        model.set_attn_implementation("sdpa")
+    for i, attn in enumerate(out.attentions):  # [1, heads, n, n]
+        torch.testing.assert_close(rec.column_sums[i], attn[0].sum(1), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(rec.window_sums[i], attn[0, :, n - 5 :].sum(1), atol=1e-5, rtol=1e-4)
+
+
+def test_observed_question_is_recorded_but_not_cached():
+    model, tok = tiny_model("llama")
+    layout = chat_layout(tok)
+    ids = layout.prefix_ids(tok) + layout.encode(tok, TEXT[:120])
+    question = layout.question_ids(tok, "What is the code?")
+    spec = model_spec(model)
+    n = len(ids)
+    rec = AttentionRecorder(spec, n, window_start=n)
+    got = prefill(model, ids, 3, layout, spec, chunk_size=16, recorder=rec, observed_ids=question)
+    assert all(k.shape[1] == n for k in got.keys)
+    model.set_attn_implementation("eager")
+    try:
+        attn = model(input_ids=torch.tensor([ids + question]), output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation("sdpa")
+    for i, a in enumerate(attn):
+        torch.testing.assert_close(rec.window_sums[i], a[0, :, n:, :n].sum(1), atol=1e-5, rtol=1e-4)

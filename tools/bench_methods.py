@@ -1,0 +1,100 @@
+#!/usr/bin/env python
+"""Time every compression method's build against plain prefill on one context.
+
+Plain prefill is one forward of the whole context into a ``DynamicCache`` (as ``bench_main_job.py``); a build is
+``kvpack.compress`` (chunked prefill with the method's attention statistics, scoring, selection, gathering,
+merging). Runs are interleaved (prefill, then every method, repeated) in one process so machine noise hits every
+row alike; the table gives medians and the ratio to plain prefill, the number to quote in BENCHMARKS.md.
+
+    python tools/bench_methods.py --tokens 4096 --ratio 0.3 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kvpack  # noqa: E402
+from kvpack import tasks  # noqa: E402
+from kvpack.layout import chat_layout  # noqa: E402
+from kvpack.methods import METHODS  # noqa: E402
+
+#: Methods whose build should stay within 1.1x plain prefill (the issue's target).
+TARGET_1_1 = ("streaming", "knorm", "snapkv", "h2o", "d2o")
+
+
+def timed(fn):
+    """``(seconds, fn())``, synchronising CUDA before stopping the clock."""
+    t0 = time.perf_counter()
+    out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model folder or hub id (default: the embedded reference model)")
+    ap.add_argument("--tokens", type=int, default=4096, help="context length in tokens")
+    ap.add_argument("--ratio", type=float, default=0.3)
+    ap.add_argument("--chunk-size", type=int, default=2048)
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated (default: all registered)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    ap.add_argument("--device", default="auto")
+    args = ap.parse_args()
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        ap.error(f"unknown method(s) {', '.join(unknown)}; registered: {', '.join(METHODS)}")
+
+    model, tok = kvpack.load_model(args.model, device=args.device)
+    rng = random.Random(0)
+    text = tasks.needle_context(tok, args.tokens, [tasks.random_fact(rng)], [0.5], rng)
+    layout = chat_layout(tok)
+    ids = torch.tensor([layout.prefix_ids(tok) + layout.encode(tok, text)], device=model.device)
+
+    @torch.inference_mode()
+    def prefill():
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return cache
+
+    def build(method):
+        return kvpack.compress(model, tok, text, method=method, ratio=args.ratio, chunk_size=args.chunk_size)
+
+    rows: dict[str, list[float]] = {"prefill": [], **{m: [] for m in methods}}
+    kept: dict[str, int] = {}
+    for round_ in range(args.warmup + args.repeats):
+        record = round_ >= args.warmup
+        t, _ = timed(prefill)
+        if record:
+            rows["prefill"].append(t)
+        for m in methods:
+            t, pack = timed(lambda: build(m))
+            kept[m] = pack.metadata["stats"]["context_entries_kept"]
+            if record:
+                rows[m].append(t)
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    base = med["prefill"]
+    print(f"model {getattr(model, 'kvpack_name', '?')} on {model.device}, {ids.shape[1]} tokens, ratio {args.ratio}, "
+          f"chunk {args.chunk_size}, {args.repeats} repeats (medians), torch threads {torch.get_num_threads()}")
+    print("| build | median seconds | vs plain prefill | context entries kept |")
+    print("|---|---|---|---|")
+    print(f"| plain prefill | {base:.4f} | 1.000x | - |")
+    for m in methods:
+        flag = " (target <= 1.1x)" if m in TARGET_1_1 else ""
+        print(f"| {m} | {med[m]:.4f} | {med[m] / base:.3f}x{flag} | {kept[m]:,} |")
+
+
+if __name__ == "__main__":
+    main()

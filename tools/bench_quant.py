@@ -1,0 +1,149 @@
+#!/usr/bin/env python
+"""Disk size and retrieval accuracy of quantized + zstd packs against the fp16 full cache.
+
+For each of ``--trials`` needle trials (``kvpack.evaluation.needle_trials``: one fact planted at a depth in a
+held-out passage of ``--tokens`` tokens), the context is compressed once with ``kvpack.compress`` (KVzip, keep
+``--ratio``); the same selection is then stored as four files: quant none / int4 (``kvpack.quant.quantize_pack``,
+which is what ``kvpack.compress(..., quant="int4")`` applies last) x zstd level 0 / ``--zstd-level``. Every byte
+of every file is counted (header with metadata and checksums, token ids, positions, scales, mins). Each variant
+is loaded back from its bytes and asked the fact's question (greedy, ``kvpack.generate``).
+
+Two references for "the fp16 full cache":
+  * ``fp16 KV``: layers x kv_heads x tokens x head_dim x 2 (K and V) x 2 bytes, tokens including the chat
+    template prefix. This is the primary figure (what a serving engine holds; nothing else counted).
+  * ``fp16 file``: a keep-everything (ratio 1.0) pack in float16 saved without zstd (adds positions, token ids
+    and the header), for comparison.
+
+The packs' full-precision rows (attention sink and residual) are cast to ``--kv-dtype`` (default float16)
+before quantizing, so all sizes are fp16-based whatever dtype the model runs in; the retrieval runs use the same
+packs.
+
+    python tools/bench_quant.py --tokens 4096 --trials 50            # the figures for BENCHMARKS.md
+    python tools/bench_quant.py --tokens 1024 --trials 4             # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kvpack  # noqa: E402
+from kvpack import constants as C  # noqa: E402
+from kvpack import tasks  # noqa: E402
+from kvpack.evaluation import needle_trials  # noqa: E402
+from kvpack.fileformat import load_pack, pack_to_bytes  # noqa: E402
+from kvpack.loading import cache_from_pack  # noqa: E402
+from kvpack.model import model_spec  # noqa: E402
+from kvpack.pack import LayerEntries, Pack  # noqa: E402
+from kvpack.quant import quantize_pack  # noqa: E402
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def cast_pack(pack: Pack, dtype: torch.dtype) -> Pack:
+    """``pack`` (unquantized) with keys and values cast to ``dtype``."""
+    layers = [LayerEntries(l.keys.to(dtype), l.values.to(dtype), l.positions, l.head_lengths) for l in pack.layers]
+    return Pack(pack.token_ids, layers, pack.sink_tokens, dict(pack.metadata))
+
+
+def fp16_kv_bytes(model, tokens: int) -> int:
+    """layers x kv_heads x tokens x head_dim x 2 (K, V) x 2 bytes."""
+    spec = model_spec(model)
+    return spec.num_layers * spec.num_kv_heads * tokens * spec.head_dim * 2 * 2
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model folder (default: the embedded reference model)")
+    ap.add_argument("--tokens", type=int, default=4096, help="context length in tokens")
+    ap.add_argument("--trials", type=int, default=50, help="needle trials (depths spread over [0, 1])")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ratio", type=float, default=0.3, help="fraction of context KV entries kept")
+    ap.add_argument("--method", default="kvzip")
+    ap.add_argument("--quant", default="int4", choices=sorted(C.QUANT_TYPES))
+    ap.add_argument("--group-size", type=int, default=C.DEFAULT_GROUP_SIZE, choices=C.GROUP_SIZES)
+    ap.add_argument("--zstd-level", type=int, default=C.DEFAULT_ZSTD_LEVEL)
+    ap.add_argument("--kv-dtype", default="float16", choices=sorted(_DTYPES),
+                    help="dtype of the stored full-precision rows")
+    ap.add_argument("--chunk-size", type=int, default=2048)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto", help="model dtype (auto: float32 on CPU)")
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    args = ap.parse_args()
+
+    t0 = time.perf_counter()
+    model, tok = kvpack.load_model(args.model, device=args.device, dtype=args.dtype)
+    kv_dtype = _DTYPES[args.kv_dtype]
+    variants = [(q, z) for q in (C.QUANT_NONE, args.quant) for z in (0, args.zstd_level)]
+    sizes = {v: [] for v in variants}
+    correct = {q: [] for q in (C.QUANT_NONE, args.quant)}
+    answers = {q: [] for q in (C.QUANT_NONE, args.quant)}
+    full_kv, full_file, errors = [], [], []
+    trials = needle_trials(tok, args.tokens, args.trials, args.seed)
+    for i, trial in enumerate(trials):
+        base = kvpack.compress(model, tok, trial.context, method=args.method, ratio=args.ratio,
+                               chunk_size=args.chunk_size)
+        base = cast_pack(base, kv_dtype)
+        packs = {C.QUANT_NONE: base, args.quant: quantize_pack(base, args.quant, args.group_size)}
+        errors.append(packs[args.quant].metadata["stats"]["quant_error"])
+        full_kv.append(fp16_kv_bytes(model, base.original_tokens))
+        everything = kvpack.compress(model, tok, trial.context, ratio=1.0, chunk_size=args.chunk_size)
+        full_file.append(len(pack_to_bytes(cast_pack(everything, torch.float16), 0)))
+        question = tasks.fact_question(trial.fact)
+        for q, pack in packs.items():
+            for z in (0, args.zstd_level):
+                data = pack_to_bytes(pack, z)
+                sizes[(q, z)].append(len(data))
+            cache = cache_from_pack(load_pack(data), model, tok)  # the zstd file, decoded and dequantized
+            answer = kvpack.generate(model, tok, cache, question, max_new_tokens=args.max_new_tokens)
+            answers[q].append(answer)
+            correct[q].append(tasks.answer_matches(answer, trial.fact))
+        print(f"trial {i + 1}/{len(trials)} depth {trial.depth:.2f}: tokens {base.original_tokens}, "
+              + ", ".join(f"{q} {'ok' if correct[q][-1] else 'wrong'}" for q in correct)
+              + f" ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+
+    n = len(trials)
+    print("\n# kvpack quantization benchmark\n")
+    print(f"command: python tools/bench_quant.py {' '.join(sys.argv[1:])}")
+    print(f"model: {args.model or 'embedded reference model'}; {args.method} keep {args.ratio}; "
+          f"{n} trials of ~{args.tokens} context tokens ({base.original_tokens} cached tokens in the last one); "
+          f"group size {args.group_size}; stored float rows {args.kv_dtype}\n")
+    print(f"fp16 KV of the full cache: {statistics.mean(full_kv):,.0f} bytes (mean); "
+          f"keep-everything fp16 file: {statistics.mean(full_file):,.0f} bytes\n")
+    print("| quant | zstd | bytes on disk (mean) | x smaller than fp16 KV (mean / worst) | x smaller than fp16 file |")
+    print("|---|---|---|---|---|")
+    for (q, z), vals in sizes.items():
+        ratios = [f / s for f, s in zip(full_kv, vals)]
+        rfile = statistics.mean(f / s for f, s in zip(full_file, vals))
+        print(f"| {q} | {z or 'off'} | {statistics.mean(vals):,.0f} | {statistics.mean(ratios):.2f} / "
+              f"{min(ratios):.2f} | {rfile:.2f} |")
+    acc = {q: 100.0 * sum(c) / n for q, c in correct.items()}
+    flips = sum(a != b for a, b in zip(correct[C.QUANT_NONE], correct[args.quant]))
+    same = sum(a == b for a, b in zip(answers[C.QUANT_NONE], answers[args.quant]))
+    print(f"\nretrieval (exact match of the code, {n} trials): none {acc[C.QUANT_NONE]:.1f}%, "
+          f"{args.quant} {acc[args.quant]:.1f}% ({acc[args.quant] - acc[C.QUANT_NONE]:+.1f} points); "
+          f"{flips} trial(s) changed correctness, {same}/{n} identical answer texts")
+    worst = {k: max(e[l][k] for e in errors for l in range(len(e)))
+             for k in ("key_max_abs", "value_max_abs")}
+    means = {k: statistics.mean(e[l][k] for e in errors for l in range(len(e)))
+             for k in ("key_mean_abs", "value_mean_abs")}
+    print(f"{args.quant} error over all entries: keys max {worst['key_max_abs']:.4g} mean {means['key_mean_abs']:.4g}; "
+          f"values max {worst['value_max_abs']:.4g} mean {means['value_mean_abs']:.4g}")
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    if args.json:
+        out = {"args": vars(args), "fp16_kv_bytes": full_kv, "fp16_file_bytes": full_file,
+               "sizes": {f"{q}/zstd{z}": v for (q, z), v in sizes.items()}, "accuracy": acc,
+               "correct": correct, "answers": answers, "quant_error": errors}
+        Path(args.json).write_text(json.dumps(out, indent=1), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
