@@ -313,6 +313,83 @@ def ask(file, question, model_name, max_new_tokens, device, dtype):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# bench
+
+
+def _csv(kind, name):
+    """A click callback parsing a comma-separated list of ``kind`` (``None`` stays ``None``)."""
+    def parse(ctx, param, value):
+        if value is None:
+            return None
+        try:
+            items = [kind(v.strip()) for v in value.split(",") if v.strip()]
+        except ValueError:
+            raise click.BadParameter(f"expected a comma-separated list of {name}, got {value!r}") from None
+        if not items:
+            raise click.BadParameter(f"expected at least one {name}")
+        return items
+    return parse
+
+
+@cli.command()
+@click.option("--methods", callback=_csv(str, "method names"), metavar="M1,M2",
+              help="kvpack methods [default: all: kvzip,d2o,snapkv,pyramidkv,h2o,streaming,knorm,random; quick: "
+                   "kvzip,streaming].")
+@click.option("--ratios", callback=_csv(float, "ratios"), metavar="R1,R2",
+              help="Fractions of KV entries kept [default: 1.0,0.5,0.3,0.2,0.1; quick: 1.0,0.3].")
+@click.option("--quant", "quants", callback=_csv(str, "quantizations"), metavar="Q1,Q2",
+              help="Storage of the kept KV: none,int8,int4 [default: none,int4; quick: none].")
+@click.option("--lengths", callback=_csv(int, "token counts"), metavar="N1,N2",
+              help="Needle context lengths in tokens [default: 1024,2048,4096; quick: 1024].")
+@click.option("--trials", type=click.IntRange(min=1), default=None,
+              help="Needle contexts per length and depth (depths 0, 10, ..., 100%) [default: 1].")
+@click.option("--tasks", callback=_csv(str, "task names"), metavar="T1,T2",
+              help="Which of needle,multiquery,continuation,speed,memory to run [default: all].")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-out", show_default=True,
+              help="Folder for results.json, results.md and the PNG plots.")
+@click.option("--quick", is_flag=True, help="A smoke run (about a minute on 2 cores); options above still apply.")
+@click.option("--model", "model_name", default=None, metavar="NAME_OR_PATH", help=_MODEL_HELP)
+@click.option("--peer", type=click.Choice(["kvpress"]), default=None,
+              help="Also run NVIDIA kvpress (KVzip, SnapKV, StreamingLLM presses) on the same contexts, in its own "
+                   "virtual environment (made on first use; needs the package index).")
+@click.option("--peer-venv", default=".venv-kvpress", show_default=True, metavar="DIR",
+              help="The kvpress virtual environment.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seeds every context and question.")
+@click.option("--device", type=click.Choice(_DEVICES), default="cpu", show_default=True, help="Where to run the model.")
+@click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
+              help="torch CPU threads (0: torch's default, which follows OMP_NUM_THREADS).")
+@click.option("--no-plots", is_flag=True, help="Skip the PNG plots (no matplotlib needed).")
+@click.pass_context
+def bench(ctx, methods, ratios, quants, lengths, trials, tasks, out_dir, quick, model_name, peer, peer_venv, seed,
+          device, threads, no_plots):
+    """Benchmark methods x ratios x quantization on held-out text: needle retrieval, multi-query reuse,
+    continuation NLL, speed, memory and file size; write JSON, Markdown and PNG plots to --out.
+
+    Plots need matplotlib: pip install 'kvpack[bench]'.
+    """
+    from .bench import BenchConfig, run_bench
+
+    given = {"methods": methods, "ratios": ratios, "quants": quants, "lengths": lengths, "trials": trials,
+             "tasks": tasks}
+    options = {k: v for k, v in given.items() if v is not None}
+    options.update(model=model_name, peer=peer, peer_venv=peer_venv, seed=seed, device=device, threads=threads,
+                   plots=not no_plots)
+    cfg = BenchConfig.quick(**options) if quick else BenchConfig(**options)
+    words = ["kvpack", "bench"]
+    for p in ctx.command.params:
+        if ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE:
+            value = ctx.params[p.name]
+            flag = p.opts[0]
+            if p.is_flag:
+                words.append(flag)
+            else:
+                words += [flag, ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in value)
+                          if isinstance(value, list) else str(value)]
+    run_bench(cfg, out_dir, command=" ".join(words), log=lambda m: click.echo(m, err=True))
+    click.echo(f"results: {Path(out_dir) / 'results.md'}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # formatting
 
 

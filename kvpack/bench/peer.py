@@ -1,0 +1,194 @@
+"""The peer: NVIDIA kvpress (PyPI ``kvpress``) run on the same model, contexts, questions and ratios.
+
+kvpress pins an older transformers (``kvpress`` 0.5.5: ``transformers>=4.56,<5.3``) than kvpack, so it runs in its
+own virtual environment (default ``.venv-kvpress/``, git-ignored) made with ``python -m venv``: ``torch`` first, at
+the version this environment runs (a CPU build where one lies on the machine; a bare ``pip install torch`` could
+pull a multi-GB CUDA build), then ``kvpress`` (which brings its own transformers). kvpack exports a JSON job with
+the exact token ids it uses (``export_job``); ``kvpress_worker.py`` runs kvpress's presses on them inside that
+environment; ``peer_rows`` turns its answers into rows scored exactly like kvpack's (``kvpack.tasks.answer_matches``).
+
+Presses: ``kvzip`` (KVzipPress, arXiv 2505.23416), ``snapkv`` (SnapKVPress, arXiv 2404.14469), ``streaming``
+(StreamingLLMPress, arXiv 2309.17453), each with kvpress's default parameters. kvpress's ``compression_ratio`` is
+the fraction REMOVED; the worker passes ``1 - ratio``. kvpress keeps no file and its KVzip press masks evicted keys
+instead of removing them (no memory is saved), so kvpress rows have no file size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..errors import InputError
+from ..layout import chat_layout
+from .. import tasks
+from .qa import QAContext
+
+__all__ = ["PEER_PRESSES", "KVPRESS_REQUIREMENT", "DEFAULT_VENV", "PeerError", "ensure_kvpress_venv", "export_job",
+           "run_kvpress", "peer_rows", "baseline_agreement", "model_folder"]
+
+#: kvpress presses the benchmark runs by default.
+PEER_PRESSES = ("kvzip", "snapkv", "streaming")
+#: The kvpress release the peer environment installs (its worker relies on this release's pipeline methods).
+KVPRESS_REQUIREMENT = "kvpress==0.5.5"
+#: Where the peer's virtual environment goes by default (relative to the current folder).
+DEFAULT_VENV = ".venv-kvpress"
+WORKER = Path(__file__).with_name("kvpress_worker.py")
+
+
+class PeerError(InputError):
+    """The kvpress environment could not be made or the worker failed; the message says what and how to fix."""
+
+
+def _venv_python(venv: Path) -> Path:
+    return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def _torch_requirement() -> str:
+    """``torch==X.Y.Z`` for the torch this process runs (local build tags such as ``+cpu`` dropped)."""
+    import torch
+
+    return f"torch=={torch.__version__.split('+')[0]}"
+
+
+def ensure_kvpress_venv(venv: str | os.PathLike = DEFAULT_VENV, *, log=print, timeout_s: float = 1800.0) -> Path:
+    """Make (or reuse) the kvpress virtual environment; return its Python interpreter.
+
+    Reused as is when its Python imports ``kvpress``. Otherwise: ``python -m venv VENV``, then
+    ``pip install torch==<this torch>``, then ``pip install kvpress==0.5.5`` (with its dependencies, from the
+    package index pip is configured with).
+
+    Raises:
+        PeerError: venv creation or an install failed (the message quotes pip's last lines; typical causes: no
+            access to the package index, or no torch build for this platform).
+    """
+    venv = Path(venv).absolute()
+    python = _venv_python(venv)
+    if python.exists() and subprocess.run([str(python), "-c", "import kvpress"], capture_output=True).returncode == 0:
+        return python
+    steps = []
+    if not python.exists():
+        steps.append([sys.executable, "-m", "venv", str(venv)])
+    steps += [[str(python), "-m", "pip", "install", "-q", _torch_requirement()],
+              [str(python), "-m", "pip", "install", "-q", KVPRESS_REQUIREMENT]]
+    for cmd in steps:
+        log(f"peer: {' '.join(cmd[-3:] if 'pip' in cmd else cmd)} ...")
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise PeerError(f"making the kvpress environment timed out: {' '.join(cmd)}") from None
+        if res.returncode != 0:
+            tail = " | ".join((res.stderr or res.stdout).strip().splitlines()[-3:])
+            raise PeerError(f"could not make the kvpress environment in {venv} ({' '.join(cmd[-2:])}): {tail}. "
+                            f"Fix the cause, or remove {venv} and retry")
+    if subprocess.run([str(python), "-c", "import kvpress"], capture_output=True).returncode != 0:
+        raise PeerError(f"kvpress was installed in {venv} but does not import; remove {venv} and retry")
+    return python
+
+
+def model_folder(model: str | None) -> Path:
+    """The local model folder kvpress should load: the embedded reference model for ``None``.
+
+    Raises ``PeerError`` for a hub id (the peer needs the same weights on disk).
+    """
+    if model is None:
+        from ..model import REFERENCE_MODEL_DIR
+
+        return Path(REFERENCE_MODEL_DIR).absolute()
+    if not Path(model).is_dir():
+        raise PeerError(f"--peer kvpress needs --model to be a local model folder, got {model!r}")
+    return Path(model).absolute()
+
+
+def export_job(contexts: list[QAContext], tokenizer, model_dir: str | os.PathLike, presses: list[str],
+               ratios: list[float], *, max_new_tokens: int = 16, threads: int = 1) -> dict:
+    """The worker's job: kvpack's exact token ids for every context (prefix + context) and question.
+
+    Ratios of 1.0 are dropped (kvpress would compress nothing); instead every context is also run once through
+    kvpress's path without a press (``baseline``: the ``kvpress:none`` rows), whose answers must equal kvpack's
+    full-cache reference (``baseline_agreement``).
+    """
+    layout = chat_layout(tokenizer)
+    items = []
+    for ctx in contexts:
+        items.append({"task": ctx.task, "key": ctx.key,
+                      "context_ids": layout.prefix_ids(tokenizer) + layout.encode(tokenizer, ctx.text),
+                      "questions_ids": [layout.question_ids(tokenizer, q) for q in ctx.questions]})
+    return {"model": str(model_dir), "max_new_tokens": int(max_new_tokens), "threads": int(threads), "baseline": True,
+            "presses": list(presses), "ratios": [float(r) for r in ratios if r < 1.0], "items": items}
+
+
+def run_kvpress(job: dict, python: str | os.PathLike, folder: str | os.PathLike, *, log=print,
+                timeout_s: float = 3600.0) -> dict:
+    """Run ``kvpress_worker.py`` on ``job`` with the kvpress environment's ``python``; return its results dict.
+
+    The job and results are JSON files in ``folder``; the worker's progress lines go to ``log``.
+
+    Raises:
+        PeerError: the worker exited non-zero (its last stderr lines are quoted) or timed out.
+    """
+    folder = Path(folder)
+    job_path, res_path = folder / "kvpress_job.json", folder / "kvpress_results.json"
+    job_path.write_text(json.dumps(job), encoding="utf-8")
+    env = dict(os.environ, OMP_NUM_THREADS=str(job.get("threads", 1)), PYTHONNOUSERSITE="1")
+    env.pop("PYTHONPATH", None)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([str(python), str(WORKER), str(job_path), str(res_path)], stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True, env=env)
+    tail: list[str] = []
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        line = line.rstrip()
+        tail = (tail + [line])[-5:]
+        if line.startswith("kvpress "):
+            log("  peer " + line)
+        if time.perf_counter() - t0 > timeout_s:
+            proc.kill()
+            raise PeerError(f"the kvpress worker ran past {timeout_s:.0f} s and was stopped")
+    if proc.wait() != 0 or not res_path.exists():
+        raise PeerError(f"the kvpress worker failed (exit {proc.returncode}): {' | '.join(tail)}")
+    out = json.loads(res_path.read_text(encoding="utf-8"))
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def peer_rows(results: dict, contexts: list[QAContext]) -> list[dict]:
+    """Rows like ``kvpack.bench.qa.answer_variants``'s for kvpress's answers (one per question), scored by
+    ``kvpack.tasks.answer_matches``; the variant is ``kvpress:<press>`` at the kept ratio, quant ``none``.
+    Rows whose press failed carry ``error`` and are not scored."""
+    by_key = {c.key: c for c in contexts}
+    rows = []
+    for r in results.get("rows", []):
+        ctx = by_key.get(r["key"])
+        if ctx is None:
+            continue
+        name = f"kvpress:{r['press']}"
+        variant = {"method": name, "name": name, "ratio": r["ratio"], "quant": "none", "query_aware": False,
+                   "label": f"{name}@{r['ratio']:g}"}
+        if "error" in r:
+            rows.append({"task": ctx.task, "key": ctx.key, "length": ctx.length, "variant": variant,
+                         "error": r["error"]})
+            continue
+        kept = r["kv_entries"] / max(1, r["kv_entries_full"])
+        for i, (answer, fact) in enumerate(zip(r["answers"], ctx.facts)):
+            rows.append({"task": ctx.task, "key": ctx.key, "length": ctx.length, "depth": ctx.depths[i],
+                         "question_index": i, "variant": variant, "answer": answer.strip(),
+                         "correct": tasks.answer_matches(answer, fact), "answer_s": r["answer_s"][i],
+                         "build_s": r["compress_s"], "kept_fraction": kept, "file_bytes": None,
+                         "bytes_per_token": None})
+    return rows
+
+
+def baseline_agreement(rows: list[dict]) -> dict:
+    """How often kvpress without a press (``kvpress:none``) answers exactly as kvpack's full-cache reference
+    (``full``) on the same context and question: ``{"identical", "total"}``. Both run the same model on the same
+    token ids (in different transformers releases), so anything below ``total`` points at a set-up difference."""
+    full = {(r["key"], r["question_index"]): r["answer"] for r in rows
+            if r.get("variant", {}).get("name") == "full" and "answer" in r}
+    base = [(r["key"], r["question_index"], r["answer"]) for r in rows
+            if r.get("variant", {}).get("name") == "kvpress:none" and "answer" in r]
+    same = sum(1 for k, i, a in base if full.get((k, i)) == a)
+    return {"identical": same, "total": len(base)}

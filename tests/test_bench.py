@@ -1,0 +1,153 @@
+"""``kvpack bench``: the shared-prefill builds equal ``kvpack.compress``; ``--quick`` writes sane JSON/Markdown/PNG;
+the kvpress peer's job and scoring (without kvpress itself, which lives in its own environment)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+import kvpack
+from kvpack import tasks
+from kvpack.bench.grid import Variant, build_variants, expand_grid
+from kvpack.bench.peer import baseline_agreement, export_job, peer_rows
+from kvpack.bench.qa import QAContext
+from kvpack.bench.report import require_matplotlib
+from kvpack.bench.runner import BenchConfig, estimate_seconds
+from kvpack.bench.speed import linear_growth
+from kvpack.cli import cli
+from kvpack.errors import InputError
+from kvpack.fileformat import pack_to_bytes
+from kvpack.layout import chat_layout
+from kvpack.methods import METHODS
+
+from .tiny import TEXT, tiny_model
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_build_variants_equal_compress(method):
+    """One prefill + one scoring pass for all ratios gives exactly the bytes of separate kvpack.compress calls."""
+    model, tok = tiny_model("llama")
+    text = TEXT * 2
+    built = build_variants(model, tok, text, method, [1.0, 0.5, 0.2], ["none", "int4"], chunk_size=64)
+    assert len(built) == 6
+    for b in built:
+        ratio = 1.0 if method == "none" else b.variant.ratio
+        ref = kvpack.compress(model, tok, text, method=method, ratio=ratio, quant=b.variant.quant, chunk_size=64,
+                              source_name="<bench>")
+        assert pack_to_bytes(b.pack, 0) == pack_to_bytes(ref, 0), b.variant.label
+        assert b.build_s > 0
+
+
+def test_expand_grid():
+    vs = expand_grid(["kvzip", "streaming"], [1.0, 0.5, 0.1], ["none", "int4"])
+    assert vs[:2] == [Variant("none", 1.0, "none"), Variant("none", 1.0, "int4")]
+    assert all(v.ratio < 1.0 for v in vs[2:]) and len(vs) == 2 + 2 * 2 * 2
+    assert Variant("snapkv", 0.3, "int4", True).label == "snapkv-q@0.3/int4"
+    for bad in (dict(methods=["nope"]), dict(quants=["int3"]), dict(ratios=[1.5])):
+        args = dict(methods=["kvzip"], ratios=[0.5], quants=["none"]) | bad
+        with pytest.raises(InputError):
+            expand_grid(**args)
+
+
+def test_config_checks_and_estimate():
+    with pytest.raises(InputError, match="unknown task"):
+        BenchConfig(tasks=["needle", "speeed"]).check()
+    with pytest.raises(InputError, match="peer"):
+        BenchConfig(peer="other").check()
+    quick, full = estimate_seconds(BenchConfig.quick()), estimate_seconds(BenchConfig())
+    assert quick["total"] < 180 and full["total"] < 20 * 60
+    assert estimate_seconds(BenchConfig(peer="kvpress"))["total"] < 20 * 60
+
+
+def test_linear_growth():
+    rows = [{"tokens": 1024, "growth_bytes": 100}, {"tokens": 4096, "growth_bytes": 300},
+            {"tokens": 16384, "growth_bytes": 900}, {"tokens": 32768, "error": "timed out"}]
+    lin = linear_growth(rows)
+    assert lin["from_tokens"] == 4096 and lin["to_tokens"] == 16384 and lin["linear"]
+    assert not linear_growth([{"tokens": 1, "growth_bytes": 1}, {"tokens": 2, "growth_bytes": 9}])["linear"]
+    assert linear_growth(rows[:1]) is None
+
+
+def test_require_matplotlib_names_the_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(InputError, match=r"kvpack\[bench\]"):
+        require_matplotlib()
+
+
+def test_peer_job_and_scoring():
+    """The job carries kvpack's exact token ids; kvpress answers are scored like kvpack's."""
+    _, tok = tiny_model("llama")
+    facts = (tasks.Fact("Alice", "48213"), tasks.Fact("Bruno", "5150"))
+    ctx = QAContext("multiquery/64/c0", "multiquery", TEXT, facts, 64, (0.25, 0.75))
+    job = export_job([ctx], tok, "/models/m", ["kvzip", "snapkv"], [1.0, 0.5, 0.3])
+    layout = chat_layout(tok)
+    assert job["ratios"] == [0.5, 0.3] and job["baseline"] is True
+    item = job["items"][0]
+    assert item["context_ids"] == layout.prefix_ids(tok) + layout.encode(tok, TEXT)
+    assert item["questions_ids"][1] == layout.question_ids(tok, "What is the secret code of Bruno?")
+    results = {"rows": [
+        {"task": "multiquery", "key": ctx.key, "press": "kvzip", "ratio": 0.5, "answers": ["It is 48213.", "5150"],
+         "answer_s": [0.1, 0.1], "compress_s": 1.0, "kv_entries": 50, "kv_entries_full": 100},
+        {"task": "multiquery", "key": ctx.key, "press": "none", "ratio": 1.0, "answers": ["a", "b"],
+         "answer_s": [0.1, 0.1], "compress_s": 0.5, "kv_entries": 100, "kv_entries_full": 100},
+        {"task": "multiquery", "key": ctx.key, "press": "snapkv", "ratio": 0.3, "error": "ValueError: x"}]}
+    rows = peer_rows(results, [ctx])
+    kv = [r for r in rows if r["variant"]["label"] == "kvpress:kvzip@0.5"]
+    assert [r["correct"] for r in kv] == [True, True] and kv[0]["kept_fraction"] == 0.5
+    assert any("error" in r for r in rows)
+    full = [{"key": ctx.key, "question_index": i, "answer": a, "variant": {"name": "full"}} for i, a in
+            enumerate(["a", "c"])]
+    assert baseline_agreement(full + rows) == {"identical": 1, "total": 2}
+
+
+def test_quick_cli(tmp_path):
+    """``kvpack bench --quick`` on the reference model (needle at 512 tokens to stay short) writes sane outputs."""
+    out = tmp_path / "bench"
+    res = CliRunner().invoke(cli, ["bench", "--quick", "--lengths", "512", "--out", str(out), "--threads", "1"])
+    assert res.exit_code == 0, res.output
+    results = json.loads((out / "results.json").read_text())
+    md = (out / "results.md").read_text()
+    assert results["command"] == "kvpack bench --lengths 512 --out " + str(out) + " --quick --threads 1"
+    assert "## Needle retrieval" in md and "## Multi-query reuse" in md and "## Continuation" in md
+    assert "kvzip" in md and "## Speed and size" in md
+    for name in results["plots"]:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {"needle_accuracy.png", "multiquery_accuracy.png", "size_vs_accuracy.png"} <= set(results["plots"])
+
+    needle = {s["label"]: s for s in results["needle"]["summary"]}
+    assert {"full", "none@1", "kvzip@0.3", "streaming@0.3"} <= set(needle)
+    for s in results["needle"]["summary"] + results["multiquery"]["summary"]:
+        assert 0.0 <= s["accuracy"] <= 1.0 and s["n"] > 0
+    assert needle["none@1"]["accuracy"] == needle["full"]["accuracy"]
+    assert needle["full"]["n"] == 11  # depths 0, 0.1, ..., 1
+    rows = results["needle"]["rows"] + results["multiquery"]["rows"]
+    full = {(r["key"], r["question_index"]): r["answer"] for r in rows if r["variant"]["name"] == "full"}
+    none = {(r["key"], r["question_index"]): r["answer"] for r in rows if r["variant"]["name"] == "none"}
+    assert none == full  # the keep-everything pack answers exactly as plain transformers
+    kv = [r for r in rows if r["variant"]["label"] == "kvzip@0.3"]
+    assert all(abs(r["kept_fraction"] - 0.3) < 0.01 and r["bytes_per_token"] > 0 for r in kv)
+    mq = {s["label"]: s for s in results["multiquery"]["summary"]}
+    assert "snapkv-q@0.3" in mq and mq["snapkv-q@0.3"]["first"] is not None
+
+    cont = {s["label"]: s for s in results["continuation"]["summary"]}
+    assert abs(cont["none@1"]["delta_nll"]) < 1e-4 and abs(cont["none@1"]["kl"]) < 1e-4
+    assert cont["kvzip@0.3"]["kl"] >= 0 and cont["full"]["nll"] > 0
+
+    speed = results["speed"]
+    assert speed["prefill_s"] > 0 and set(speed["build_vs_prefill"]) == {"none", "kvzip", "streaming"}
+    assert all(x > 0 for x in speed["load_speedup_vs_prefill"].values())
+    assert speed["bytes_per_token"]["kvzip"] < speed["bytes_per_token"]["none"]
+    mem = results["memory"]["rows"]
+    assert [r["tokens"] for r in mem] == [1024, 2048, 4096]
+    assert all("error" not in r and r["growth_bytes"] > 0 for r in mem)
+    assert results["seconds"] < 180
+
+
+def test_bench_cli_rejects_bad_options(tmp_path):
+    res = CliRunner().invoke(cli, ["bench", "--quick", "--ratios", "0.5,2", "--out", str(tmp_path)])
+    assert res.exit_code == 1 and "ratio" in res.output
+    res = CliRunner().invoke(cli, ["bench", "--ratios", "a,b"])
+    assert res.exit_code == 2
