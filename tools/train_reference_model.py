@@ -57,8 +57,11 @@ PHASES = [
     (3000, 1024, 4, (0.15, 0.30, 0.50, 0.05)),
     (3800, 2048, 2, (0.15, 0.30, 0.55, 0.00)),
     (4400, 4096, 1, (0.15, 0.30, 0.55, 0.00)),
+    # consolidation: every step draws its length from MIXED_LENGTHS (batch = 4096 tokens / length)
+    (5000, 0, 0, (0.15, 0.30, 0.55, 0.00)),
 ]
-TOTAL_STEPS = 5000
+MIXED_LENGTHS = (1024, 2048, 4096)
+TOTAL_STEPS = 6000
 
 
 def log(msg: str) -> None:
@@ -356,6 +359,9 @@ def main() -> None:
     t_last = time.time()
     while step < args.steps:
         _, T, B, mix = phase_at(step)
+        if T == 0:
+            T = rng.choice(MIXED_LENGTHS)
+            B = MIXED_LENGTHS[-1] // T
         ids, w = episodes.batch(T, B, mix)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.lr, args.steps)
@@ -374,7 +380,8 @@ def main() -> None:
         if step % 10 == 0:
             log(f"step {step} T={T} B={B} loss {loss.item():.3f} lr {lr_at(step, args.lr, args.steps):.2e} ({wall / 60:.1f} min)")
         if step % args.eval_every == 0 or step == args.steps:
-            accs = {L: eval_retrieval(model, tokenizer, held_docs, L, 20) for L in sorted({T, min(4096, 2 * T)})}
+            lengths = {2048, 4096} if phase_at(step)[1] == 0 else {T, min(4096, 2 * T)}
+            accs = {L: eval_retrieval(model, tokenizer, held_docs, L, 20) for L in sorted(lengths)}
             history.append({"step": step, "T": T, "loss": round(loss.item(), 4), "minutes": round(wall / 60, 1),
                             "retrieval": {str(k): v for k, v in accs.items()}})
             log(f"eval step {step}: retrieval {accs}")
