@@ -174,17 +174,19 @@ def kvpack_attention_forward(module, query, key, value, attention_mask, dropout:
     """The function registered as ``"kvpack"``; signature of transformers' attention interface."""
     layer = getattr(key, "_kvpack_layer", None)
     recording = getattr(key, "_kvpack_recording", None)
-    if recording is not None:  # a chunk of kvpack.prefill with an AttentionRecorder (batch size 1)
+    if recording is not None:  # a chunk of kvpack.prefill (batch size 1), with or without an AttentionRecorder
         recorder, layer_idx, key_start = recording
         q_start = key_start + key.shape[2] - query.shape[2]
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         window = kwargs.get("sliding_window")
-        if recorder.wants_columns(layer_idx, q_start):
+        if recorder is not None and recorder.wants_columns(layer_idx, q_start):
             out, lse = attention_with_lse(query, key, value, scale, window)
             recorder.record(layer_idx, query, key, scale, key_start, window, lse)
             return out, None
-        if recorder.wants_window(layer_idx, q_start, query.shape[2]):
-            recorder.record(layer_idx, query, key, scale, key_start, window)  # then plain SDPA below
+        if recorder is not None and recorder.wants_window(layer_idx, q_start, query.shape[2]):
+            recorder.record(layer_idx, query, key, scale, key_start, window)
+        if query.device.type == "cpu":  # unmasked flash calls; elsewhere transformers' SDPA below
+            return attention_with_lse(query, key, value, scale, window)[0], None
     if layer is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

@@ -40,13 +40,12 @@ def weights_sha256(model) -> str:
     """A cheap SHA-256 (hex) of the weights: names, shapes and 64 evenly spaced values of every tensor.
 
     Values are rounded to bfloat16 before hashing, so a model loaded in float32 or bfloat16 (or float16 from a
-    bfloat16 checkpoint) gives the same hash. Cost: one small gather per tensor (milliseconds); cached on the
-    model object, keyed by its parameters' storage, so in-place weight updates are not noticed.
+    bfloat16 checkpoint) gives the same hash. Cost: one small gather per tensor (milliseconds); computed once
+    per model object and cached on it (the hash identifies which model was loaded, not later weight edits).
     """
-    key = tuple(p.data_ptr() for p in model.parameters())
     cached = getattr(model, "_kvpack_weights_sha256", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    if cached is not None:
+        return cached
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         flat = tensor.detach().reshape(-1)
@@ -56,8 +55,8 @@ def weights_sha256(model) -> str:
         idx = torch.linspace(0, flat.numel() - 1, min(_SAMPLES_PER_TENSOR, flat.numel())).long()
         sample = flat[idx.to(flat.device)].to(torch.bfloat16).view(torch.int16).cpu().numpy()
         h.update(sample.tobytes())
-    model._kvpack_weights_sha256 = (key, h.hexdigest())
-    return h.hexdigest()
+    model._kvpack_weights_sha256 = h.hexdigest()
+    return model._kvpack_weights_sha256
 
 
 def model_fingerprint(model, tokenizer, kv_dtype: torch.dtype | None = None) -> dict[str, Any]:

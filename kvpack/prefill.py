@@ -77,7 +77,7 @@ class _RecordingCache(DynamicCache):
     """A ``DynamicCache`` that tags the keys it returns with ``(recorder, layer index, position of the first
     returned key)``, which the ``"kvpack"`` attention function reads to feed the recorder."""
 
-    def __init__(self, config, recorder: AttentionRecorder):
+    def __init__(self, config, recorder: AttentionRecorder | None):
         super().__init__(config=config)
         self.recorder = recorder
 
@@ -106,7 +106,9 @@ def prefill(model, token_ids: list[int], sink: int, layout: ChatLayout, spec: Mo
     """
     device = next(model.parameters()).device
     ids = torch.tensor(token_ids, dtype=torch.long)
-    if recorder is not None:
+    if recorder is not None or device.type == "cpu":
+        # on CPU the "kvpack" attention also runs later chunks as two unmasked flash calls (past keys, then the
+        # chunk causally) instead of one masked call, so chunked prefill costs what a single pass costs
         use_kvpack_attention(model)
         cache = _RecordingCache(model.config, recorder)
     else:
