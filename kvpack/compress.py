@@ -19,7 +19,7 @@ from .pack import Pack
 from .prefill import prefill
 from .quant import check_quant_args, quantize_pack
 
-__all__ = ["compress", "DEFAULT_RATIO", "DEFAULT_CHUNK_SIZE"]
+__all__ = ["compress", "assemble_pack", "DEFAULT_RATIO", "DEFAULT_CHUNK_SIZE"]
 
 DEFAULT_RATIO = 0.3
 DEFAULT_CHUNK_SIZE = 2048
@@ -97,17 +97,32 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
         keep = scorer.select(scores, ratio, full)
     else:
         keep = torch.ones(len(spec.compressed_layers), spec.num_kv_heads, full.context_tokens, dtype=torch.bool)
+    pack = assemble_pack(model, tokenizer, text, scorer, ratio, full, keep, source_name)
+    return quantize_pack(pack, quant, group_size)
+
+
+def assemble_pack(model, tokenizer, text: str, scorer, ratio: float, full, keep: torch.Tensor,
+                  source_name: str, fingerprint: dict | None = None) -> Pack:
+    """Gather the kept entries of a prefill into a ``Pack`` with its metadata (before quantization).
+
+    Args:
+        scorer: the ``Method`` that produced ``keep`` (its merge hook runs when ``ratio < 1``).
+        full: the ``Prefill`` of ``text``.
+        keep: ``[compressed_layers, kv_heads, context_tokens]`` bool keep mask.
+        fingerprint: the model's fingerprint if already computed (``kvpack.fingerprint.model_fingerprint``).
+    """
+    spec = full.spec
     layers = gather(full, keep)
-    merge_stats = scorer.update_entries(full, keep, layers) if compressing else {}
+    merge_stats = scorer.update_entries(full, keep, layers) if ratio < 1.0 else {}
     kv_dtype = layers[0].keys.dtype
     metadata = {
         "method": scorer.name,
         "method_params": scorer.params(),
         "ratio": float(ratio),
-        "fingerprint": model_fingerprint(model, tokenizer, kv_dtype),
+        "fingerprint": dict(fingerprint) if fingerprint else model_fingerprint(model, tokenizer, kv_dtype),
         "source": {"name": source_name, "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
                    "chars": len(text)},
-        "layout": layout.to_dict(),
+        "layout": full.layout.to_dict(),
         "layer_kinds": ["sliding_intact" if l in spec.sliding_layers else "compressed"
                         for l in range(spec.num_layers)],
         "kvpack_version": __version__,
@@ -117,6 +132,4 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
     }
     if merge_stats:
         metadata["stats"]["merge"] = merge_stats
-    pack = Pack(token_ids=torch.tensor(token_ids, dtype=torch.int64), layers=layers, sink_tokens=full.sink,
-                metadata=metadata)
-    return quantize_pack(pack, quant, group_size)
+    return Pack(token_ids=full.token_ids.clone(), layers=layers, sink_tokens=full.sink, metadata=metadata)

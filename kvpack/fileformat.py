@@ -365,24 +365,29 @@ class _Source:
 
     def read(self, start: int, n: int) -> bytes:
         """Exactly ``n`` bytes from ``start`` (the caller has checked the range against ``size``)."""
+        return bytes(self.read_into_buffer(start, n)) if self._data is None else self._data[start : start + n]
+
+    def read_into_buffer(self, start: int, n: int) -> bytearray:
+        """Exactly ``n`` bytes from ``start`` in a fresh, writable buffer (tensors can then share it, no copy)."""
         if self._data is not None:
-            return self._data[start : start + n]
+            return bytearray(self._data[start : start + n])
+        buf = bytearray(n)
         try:
             with open(self.path, "rb") as f:
                 f.seek(start)
-                data = f.read(n)
+                got = f.readinto(buf)
         except OSError as exc:
             raise InputError(f"cannot read {self.path}: {exc.strerror or exc}; check the path") from exc
-        if len(data) != n:
+        if got != n:
             raise TruncatedFileError(f"{self.path}: the file became shorter while being read; {_RECOPY}")
-        return data
+        return buf
 
 
 def _load(source: Source) -> tuple[PackHeader, Pack]:
     """Validate a whole file and build its Pack."""
     src = _Source(source)
     header, sums = _parse_header(src)
-    data = memoryview(src.read(header.header_bytes, header.file_bytes - header.header_bytes))
+    data = memoryview(src.read_into_buffer(header.header_bytes, header.file_bytes - header.header_bytes))
     for name, info in header.tensors.items():
         b, e = info.offsets
         if _sha256(data[b:e]) != sums[name]:
@@ -421,13 +426,15 @@ def _load(source: Source) -> tuple[PackHeader, Pack]:
 
 
 def _tensor(data: memoryview, info: TensorInfo, where: str, name: str) -> torch.Tensor:
-    """A fresh tensor from the data-buffer range of ``info`` (decoded if it is encoded)."""
+    """A tensor over the data-buffer range of ``info`` (decoded into its own buffer if it is encoded).
+
+    ``data`` is a writable buffer private to this load, so plain tensors are views into it, not copies."""
     dtype = C.DTYPE_BY_CODE[info.dtype]
     b, e = info.offsets
     raw = data[b:e] if info.codec is None else _decode(where, name, data[b:e], info)
     if len(raw) == 0:
         return torch.empty(info.shape, dtype=dtype)
-    return torch.frombuffer(raw if isinstance(raw, bytearray) else bytearray(raw), dtype=dtype).reshape(info.shape)
+    return torch.frombuffer(raw, dtype=dtype).reshape(info.shape)
 
 
 def _parse_header(src: _Source) -> tuple[PackHeader, dict[str, str]]:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import functools
 
-import pytest
-
 import kvpack
 from kvpack.evaluation import full_cache_retrieval
 

@@ -15,23 +15,20 @@ benchmark scores comes from a real ``.kvpack`` file.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from .. import __version__
 from .. import constants as C
 from ..cache import KvpackCache
 from ..errors import InputError
 from ..fileformat import save
-from ..fingerprint import model_fingerprint
 from ..layout import chat_layout
 from ..loading import load
 from ..methods import METHODS, get_method
-from ..methods.base import gather
+from ..compress import assemble_pack
 from ..model import model_spec
 from ..pack import Pack
 from ..prefill import prefill
@@ -182,30 +179,8 @@ def build_variants(model, tokenizer, text: str, method: str, ratios: list[float]
             keep = scorer.select(scores, ratio, full)
         else:
             keep = torch.ones(len(spec.compressed_layers), spec.num_kv_heads, full.context_tokens, dtype=torch.bool)
-        layers = gather(full, keep)
-        merge_stats = scorer.update_entries(full, keep, layers) if ratio < 1.0 else {}
-        kv_dtype = layers[0].keys.dtype
-        if fingerprint is None:
-            fingerprint = model_fingerprint(model, tokenizer, kv_dtype)
-        metadata = {
-            "method": scorer.name,
-            "method_params": scorer.params(),
-            "ratio": float(ratio),
-            "fingerprint": dict(fingerprint),
-            "source": {"name": source_name, "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
-                       "chars": len(text)},
-            "layout": layout.to_dict(),
-            "layer_kinds": ["sliding_intact" if l in spec.sliding_layers else "compressed"
-                            for l in range(spec.num_layers)],
-            "kvpack_version": __version__,
-            "stats": {"context_tokens": full.context_tokens, "sink_tokens": full.sink,
-                      "context_entries": int(keep.numel()), "context_entries_kept": int(keep.sum()),
-                      "layer_budgets": [int(b) for b in keep.sum(dim=(1, 2))]},
-        }
-        if merge_stats:
-            metadata["stats"]["merge"] = merge_stats
-        pack = Pack(token_ids=torch.tensor(token_ids, dtype=torch.int64), layers=layers, sink_tokens=full.sink,
-                    metadata=metadata)
+        pack = assemble_pack(model, tokenizer, text, scorer, ratio, full, keep, source_name, fingerprint)
+        fingerprint = pack.metadata["fingerprint"]
         own = time.perf_counter() - t1
         for q in quants:
             t2 = time.perf_counter()
