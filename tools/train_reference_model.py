@@ -319,7 +319,8 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--ckpt-every", type=int, default=50)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--export", action="store_true", help="write the latest checkpoint to kvpack/models/reference")
+    ap.add_argument("--export", action="store_true", help="write the latest checkpoint to --export-dir")
+    ap.add_argument("--export-dir", default=str(EXPORT_DIR), help="where the final weights go (default: the package)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     work = Path(args.workdir)
@@ -396,14 +397,15 @@ def main() -> None:
 
 
 def export(model, tokenizer, work: Path, history, n_params, step, wall, args) -> None:
-    EXPORT_DIR.mkdir(parents=True, exist_ok=True)
+    out = Path(args.export_dir)
+    out.mkdir(parents=True, exist_ok=True)
     model.config._attn_implementation = "sdpa"
-    model.save_pretrained(EXPORT_DIR, safe_serialization=True)
-    tokenizer.save_pretrained(EXPORT_DIR)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
     info = {"steps": step, "train_minutes": round(wall / 60, 1), "params": n_params, "seed": args.seed,
             "lr": args.lr, "history": history, "phases": PHASES}
-    (EXPORT_DIR / "training_log.json").write_text(json.dumps(info, indent=1) + "\n")
-    log(f"exported to {EXPORT_DIR}")
+    (out / "training_log.json").write_text(json.dumps(info, indent=1) + "\n")
+    log(f"exported to {out}")
 
 
 if __name__ == "__main__":
