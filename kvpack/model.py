@@ -68,6 +68,9 @@ def load_model(name_or_path: str | os.PathLike | None = None, *, device=None, dt
     dt = resolve_dtype(dtype, dev)
     path = REFERENCE_MODEL_DIR if name_or_path is None else name_or_path
     local = Path(path).is_dir()
+    if not local and (Path(path).exists() or str(path).startswith((".", "/", "~"))):
+        raise ModelLoadError(f"no model folder at {str(path)!r}; pass a folder holding config.json, the weights and "
+                             "the tokenizer (or a hub id where the hub can be reached)")
     if name_or_path is None and not (REFERENCE_MODEL_DIR / "config.json").exists():
         raise ModelLoadError(
             f"the embedded reference model is missing from {REFERENCE_MODEL_DIR}; reinstall kvpack "
