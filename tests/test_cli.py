@@ -183,7 +183,7 @@ def test_build_rejects_bad_inputs_before_loading_the_model(tmp_path):
 def test_missing_model_folder_is_a_clean_error(docs, tmp_path):
     res = _run(["build", str(docs), "--model", str(tmp_path / "no-model"), "--device", "cpu",
                 "--out", str(tmp_path / "out")], code=1)
-    assert res.stderr.splitlines()[-1].startswith("error: could not load model")
+    assert res.stderr.splitlines()[-1].startswith("error: no model folder at")
 
 
 def test_python_dash_m_and_version():
