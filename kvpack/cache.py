@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .errors import InputError
@@ -164,18 +165,11 @@ class KvpackCache(Cache):
             if entries.quant is not None:
                 entries = entries.dequantized(dtype)
             lengths = entries.head_lengths.tolist()
-            heads, longest = len(lengths), max(lengths) if lengths else 0
-            kd, vd = entries.keys.shape[-1], entries.values.shape[-1]
             dt = dtype or entries.keys.dtype
-            keys = torch.zeros(heads, longest, kd, dtype=dt)
-            values = torch.zeros(heads, longest, vd, dtype=dt)
-            positions = torch.full((heads, longest), -1, dtype=torch.int64)
-            # scatter the ragged rows into the padded layout: row r of head h goes to column r - offset[h]
-            head_of_row = torch.repeat_interleave(torch.arange(heads), entries.head_lengths)
-            col = torch.arange(entries.num_entries) - entries.head_offsets()[:-1][head_of_row]
-            keys[head_of_row, col] = entries.keys.to(dt)
-            values[head_of_row, col] = entries.values.to(dt)
-            positions[head_of_row, col] = entries.positions.long()
+            # ragged rows -> [kv_heads, longest head, dim], shorter heads padded (position -1 marks padding)
+            keys = pad_sequence(entries.keys.to(dt).split(lengths), batch_first=True)
+            values = pad_sequence(entries.values.to(dt).split(lengths), batch_first=True)
+            positions = pad_sequence(entries.positions.long().split(lengths), batch_first=True, padding_value=-1)
             layers.append(PackedLayer(keys.unsqueeze(0).to(device), values.unsqueeze(0).to(device),
                                       positions.to(device), n, sliding=idx in sliding_layers))
         return cls(layers, pack.token_ids.long().cpu(), dict(pack.metadata))
