@@ -14,23 +14,15 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpack  # noqa: E402
+from kvpack.bench.speed import plain_prefill, timed  # noqa: E402
 from kvpack import tasks  # noqa: E402
 from kvpack.layout import chat_layout  # noqa: E402
-
-
-def timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0, out
 
 
 def main() -> None:
@@ -49,13 +41,8 @@ def main() -> None:
     layout = chat_layout(tok)
     ids = torch.tensor([layout.prefix_ids(tok) + layout.encode(tok, text)], device=model.device)
 
-    @torch.inference_mode()
     def prefill():
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=model.config)
-        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return cache
+        return plain_prefill(model, ids)
 
     rows = {"prefill": [], "build": [], "save": [], "load": []}
     with tempfile.TemporaryDirectory() as tmp:

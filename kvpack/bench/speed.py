@@ -34,7 +34,8 @@ from ..loading import load
 __all__ = ["measure_speed", "measure_memory", "linear_growth"]
 
 
-def _timed(fn):
+def timed(fn):
+    """``(seconds, fn())``, synchronising CUDA before the clock stops."""
     t0 = time.perf_counter()
     out = fn()
     if torch.cuda.is_available():
@@ -43,8 +44,9 @@ def _timed(fn):
 
 
 @torch.inference_mode()
-def _plain_prefill(model, ids: torch.Tensor):
-    """Plain transformers: SDPA attention, one forward into a ``DynamicCache`` (``kvpack.load`` switches back)."""
+def plain_prefill(model, ids: torch.Tensor):
+    """Plain transformers: SDPA attention, one forward of ``ids`` (``[1, tokens]``) into a ``DynamicCache``, the
+    baseline every build and load time is compared with (``kvpack.load`` switches the model back)."""
     from transformers import DynamicCache
 
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
@@ -60,7 +62,7 @@ def _decode_step_s(model, cache, steps: int, rewind, token: torch.Tensor) -> flo
     step)."""
     times = []
     for _ in range(steps):
-        t, _ = _timed(lambda: model(input_ids=token, past_key_values=cache, use_cache=True))
+        t, _ = timed(lambda: model(input_ids=token, past_key_values=cache, use_cache=True))
         rewind()
         times.append(t)
     return statistics.median(times)
@@ -102,25 +104,25 @@ def measure_speed(model, tokenizer, text: str, methods: list[str], ratio: float,
     loads = {m: [] for m in methods}
     nbytes: dict[str, int] = {}
     caches = {}
-    _plain_prefill(model, ids)  # warm-up
+    plain_prefill(model, ids)  # warm-up
     for rep in range(repeats):
-        rows["prefill"].append(_timed(lambda: _plain_prefill(model, ids))[0])
+        rows["prefill"].append(timed(lambda: plain_prefill(model, ids))[0])
         for m in methods:
             r = 1.0 if m == "none" else ratio
-            t, pack = _timed(lambda: compress(model, tokenizer, text, method=m, ratio=r, chunk_size=chunk_size))
+            t, pack = timed(lambda: compress(model, tokenizer, text, method=m, ratio=r, chunk_size=chunk_size))
             build[m].append(t)
             path = os.path.join(os.fspath(folder), f"speed-{m}.kvpack")
-            t, n = _timed(lambda: save(pack, path, zstd_level=zstd_level))
+            t, n = timed(lambda: save(pack, path, zstd_level=zstd_level))
             saves[m].append(t)
             nbytes[m] = int(n)
-            t, cache = _timed(lambda: load(path, model, tokenizer=tokenizer))
+            t, cache = timed(lambda: load(path, model, tokenizer=tokenizer))
             loads[m].append(t)
             os.remove(path)
             caches[m] = cache
             if log:
                 log(f"  speed round {rep + 1}/{repeats}: {m} build {build[m][-1]:.2f} s, load {loads[m][-1]:.3f} s")
     prefill_s = statistics.median(rows["prefill"])
-    full_cache = _plain_prefill(model, ids)
+    full_cache = plain_prefill(model, ids)
     token = ids[:, -1:]
     decode_full = _decode_step_s(model, full_cache, decode_steps, lambda: _drop_tail(full_cache, tokens), token)
     use_kvpack_attention(model)  # a loaded cache needs kvpack's per-head masking (kvpack.load had set it)
