@@ -119,7 +119,7 @@ class Method:
         scope = self.scope
         if per_layer is None:
             if scope == "global":
-                return top_k_rows(scores.reshape(1, -1), torch.tensor([total])).view(layers, heads, n)
+                return select_global(scores, ratio)
             per_layer = split_evenly(total, layers)
         elif scope == "global":
             raise RuntimeError(f"{self.name}: layer budgets need the 'layer' or 'head' scope")
