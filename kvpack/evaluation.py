@@ -40,7 +40,7 @@ def needle_trials(tokenizer, length: int, trials: int, seed: int = 0) -> list[Ne
 
 @torch.inference_mode()
 def full_cache_retrieval(model, tokenizer, length: int, trials: int, seed: int = 0,
-                         max_new_tokens: int = 16) -> list[tuple[float, bool, str]]:
+                         max_new_tokens: int = tasks.ANSWER_MAX_NEW_TOKENS) -> list[tuple[float, bool, str]]:
     """Greedy answers with the ordinary full cache: ``[(depth, correct, answer)]`` per trial."""
     layout = chat_layout(tokenizer)
     results = []

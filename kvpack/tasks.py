@@ -38,6 +38,9 @@ NAMES = (
 
 #: KVzip's reconstruction prompt for the first chunk (arXiv 2505.23416, §3.2).
 REPEAT_PROMPT = "Repeat the previous context exactly."
+# Greedy tokens allowed for an answer: the longest answer sentence is 19 tokens with the reference tokenizer
+# (a multi-token name and 6 single-digit tokens) plus the end-of-turn token; 16 cut 6-digit codes short.
+ANSWER_MAX_NEW_TOKENS = 32
 
 
 def repeat_from_prompt(previous_tail: str) -> str:

@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="float16", choices=sorted(_DTYPES),
                     help="dtype of the stored full-precision rows")
     ap.add_argument("--chunk-size", type=int, default=2048)
-    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=tasks.ANSWER_MAX_NEW_TOKENS)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", help="model dtype (auto: float32 on CPU)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")

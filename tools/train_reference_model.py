@@ -285,7 +285,7 @@ def eval_retrieval(model, tokenizer, docs: list[str], length: int, trials: int, 
         depth = t / max(1, trials - 1)
         fact = tasks.random_fact(ep_rng)
         prompt_ids = retrieval_prompt(tokenizer, docs, fact, depth, length, ep_rng)
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False,
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=tasks.ANSWER_MAX_NEW_TOKENS, do_sample=False,
                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
         answer = tokenizer.decode(out[0, len(prompt_ids):], skip_special_tokens=True)
         hits += tasks.answer_matches(answer, fact)

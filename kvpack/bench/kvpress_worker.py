@@ -8,7 +8,7 @@ one JSON job file and writes one JSON results file::
 
 Job (written by ``kvpack.bench.peer.export_job``)::
 
-    {"model": "/abs/model/folder", "max_new_tokens": 16, "threads": 1, "baseline": true,
+    {"model": "/abs/model/folder", "max_new_tokens": 32, "threads": 1, "baseline": true,
      "presses": ["kvzip", "snapkv", "streaming"], "ratios": [0.5, 0.3],      # ratios = fraction KEPT
      "items": [{"task": "needle", "key": "...", "context_ids": [...], "questions_ids": [[...], ...]}, ...]}
 

@@ -104,7 +104,7 @@ def model_folder(model: str | None) -> Path:
 
 
 def export_job(contexts: list[QAContext], tokenizer, model_dir: str | os.PathLike, presses: list[str],
-               ratios: list[float], *, max_new_tokens: int = 16, threads: int = 1) -> dict:
+               ratios: list[float], *, max_new_tokens: int = tasks.ANSWER_MAX_NEW_TOKENS, threads: int = 1) -> dict:
     """The worker's job: kvpack's exact token ids for every context (prefix + context) and question.
 
     Ratios of 1.0 are dropped (kvpress would compress nothing); instead every context is also run once through

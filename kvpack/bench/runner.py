@@ -19,6 +19,7 @@ import torch
 
 from .. import __version__
 from .. import constants as C
+from ..tasks import ANSWER_MAX_NEW_TOKENS
 from ..errors import InputError
 from ..model import load_model
 from .continuation import continuation_docs, continuation_rows, summarize_continuation
@@ -87,7 +88,7 @@ class BenchConfig:
     chunk_size: int = 2048
     group_size: int = C.DEFAULT_GROUP_SIZE
     zstd_level: int = C.DEFAULT_ZSTD_LEVEL
-    max_new_tokens: int = 16
+    max_new_tokens: int = ANSWER_MAX_NEW_TOKENS
     threads: int = 0
     plots: bool = True
 
@@ -139,7 +140,7 @@ class BenchConfig:
 _BUILD_1K = 0.09  # s: kvpack.compress of 1K tokens with a cheap method; grows as tokens^1.6 (attention)
 _METHOD_WEIGHT = {"kvzip": 3.6, "d2o": 1.5, "h2o": 1.4}
 _OPEN_S = 0.015  # s: quantize + save + load one variant
-_ANSWER_1K = 0.025  # s: one greedy answer of 16 tokens at 1K tokens; grows as tokens^0.35
+_ANSWER_1K = 0.025  # s: one greedy answer (~20 tokens) at 1K tokens; grows as tokens^0.35
 _PRESS_WEIGHT = {"kvzip": 7.0}  # kvpress prefill with the press, in units of kvpack's cheap build (others: 0.7)
 
 
