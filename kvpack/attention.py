@@ -9,9 +9,11 @@ function builds each KV head's visibility from the entries' original RoPE positi
 For any other keys it is exactly transformers' SDPA attention, so a model switched to ``"kvpack"`` behaves as
 before with ordinary caches.
 
-While KVzip scores (arXiv 2505.23416 §3.2, Eq. 2) the layer also carries a score buffer: the function then
-computes the softmax explicitly, in query blocks, and folds ``max`` over queries and over the query heads of each
-GQA group into the buffer (shape ``[kv_heads, kept_entries]``).
+While KVzip scores (arXiv 2505.23416 §3.2, Eq. 2) the layer also carries a score buffer (shape
+``[kv_heads, kept_entries]``) into which ``max`` over queries and over the query heads of each GQA group of the
+attention probabilities is folded. On CPU the output and each query's log-sum-exp come from the fused flash kernel
+(two unmasked calls when every head sees all its entries, as in KVzip's repeat pass) and the probabilities from
+one blocked product (``update_max_scores``); elsewhere the softmax is computed explicitly in query blocks.
 
 While a context is prefilled for a method that scores by prefill attention (H2O, D2O, SnapKV, PyramidKV),
 ``kvpack.prefill`` tags each compressed layer's keys with an ``AttentionRecorder`` (``kvpack.stats``): for column
@@ -28,14 +30,15 @@ import torch.nn.functional as F
 from .errors import UnsupportedModelError
 from .stats import visible_mask
 
-__all__ = ["ATTN_IMPLEMENTATION", "register", "use_kvpack_attention", "masked_attention", "attention_with_lse",
-           "QUERY_BLOCK"]
+__all__ = ["ATTN_IMPLEMENTATION", "register", "use_kvpack_attention", "masked_attention", "scored_attention_dense",
+           "update_max_scores", "attention_with_lse", "QUERY_BLOCK"]
 
 ATTN_IMPLEMENTATION = "kvpack"
 #: Queries processed at once when attention probabilities are materialised (bounds memory while scoring).
 QUERY_BLOCK = 512
-#: Entries of one block of log-probabilities while scoring on CPU (64 MB of float32).
-SCORE_BLOCK_ELEMENTS = 16 * 2**20
+#: Entries of one block of log-probabilities while scoring on CPU (4 MB of float32: it stays in cache between
+#: the product and the max; 64 MB blocks made scoring 2x slower on the development machine).
+SCORE_BLOCK_ELEMENTS = 2**20
 _registered = False
 
 
@@ -65,34 +68,98 @@ def masked_attention(query, key, value, visible, scaling, scores=None, query_blo
     return _scored_attention_explicit(query, key, value, visible, scaling, scores, query_block)
 
 
-def _scored_attention_fused(query, key, value, visible, scaling, scores):
-    """CPU: the fused flash kernel gives the output and each query's log-sum-exp; the scores then need only one
-    matrix product over the first ``n`` entries, ``max_q exp(q . k * scaling - lse_q)``, done as
-    ``[q * scaling, -lse] . [k, 1]``. ``visible``: ``[q, kv]``, the same for every head."""
+def scored_attention_dense(query, key, value, past: int, scaling, scores):
+    """KVzip's repeat pass on CPU when every head sees all ``past`` cached entries (no padding, no window).
+
+    The queries are the last ``q`` of the keys: they see the ``past`` entries and, causally, each other. Two
+    unmasked flash calls (the past with the GQA group folded into the queries, so no key is copied; then the new
+    keys causally) give the output and each query's log-sum-exp ``lse``; the scores of the first
+    ``n = scores.shape[1]`` entries are then ``max_q exp(q . k * scaling - lse_q)`` (arXiv 2505.23416, Eq. 2),
+    see ``update_max_scores``.
+
+    Args:
+        query: ``[1, heads, q, head_dim]``; key, value: ``[1, kv_heads, past + q, head_dim]``.
+        past: cached entries before the queries' own keys (``>= n``).
+        scaling: softmax temperature; scores: ``[kv_heads, n]`` float32, updated in place.
+
+    Returns:
+        ``[1, q, heads, head_dim_v]`` attention output.
+    """
+    out, lse = _attention_past_and_causal(query, key, value, past, scaling)
+    update_max_scores(scores, query, key, lse, scaling)
+    return out.transpose(1, 2).contiguous()
+
+
+def _flash_folded(query, key, value, scaling):
+    """Unmasked CPU flash attention with the GQA group folded into the queries (keys are not repeated).
+
+    ``query``: ``[1, heads, q, d]``; ``key``, ``value``: ``[1, kv_heads, kv, d]``. Returns ``out``
+    ``[1, heads, q, d_v]`` and ``lse`` ``[1, heads, q]`` (float32 log-sum-exp of each query's logits)."""
     _, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
+    folded = query.reshape(1, kv_heads, (heads // kv_heads) * q_len, dim)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(folded, key, value, scale=scaling)
+    return out.reshape(1, heads, q_len, -1), lse.reshape(1, heads, q_len)
+
+
+def _attention_past_and_causal(query, key, value, past, scaling):
+    """CPU: queries (the last ``q`` keys) over ``past`` fully visible entries plus their own keys causally, as
+    two flash calls merged through their log-sum-exps. Returns ``out`` ``[1, heads, q, d_v]`` (query dtype) and
+    ``lse`` ``[1, heads, q]`` float32."""
+    group = query.shape[1] // key.shape[1]
+    new_k = key[:, :, past:].repeat_interleave(group, dim=1)
+    new_v = value[:, :, past:].repeat_interleave(group, dim=1)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, new_k, new_v, is_causal=True,
+                                                                         scale=scaling)
+    if past > 0:
+        out_past, lse_past = _flash_folded(query, key[:, :, :past], value[:, :, :past], scaling)
+        total = torch.logaddexp(lse, lse_past)
+        out = out * (lse - total).exp().unsqueeze(-1).to(out.dtype) \
+            + out_past * (lse_past - total).exp().unsqueeze(-1).to(out.dtype)
+        lse = total
+    return out, lse.float()
+
+
+def update_max_scores(scores, query, key, lse, scaling, hidden=None):
+    """Fold ``max`` over queries and GQA group of ``p = exp(q . k * scaling - lse)`` into ``scores``.
+
+    Args:
+        scores: ``[kv_heads, n]`` float32, updated in place for the first ``n`` keys.
+        query: ``[1, heads, q, d]``; key: ``[1, kv_heads, >= n, d]``; lse: ``[1, heads, q]``.
+        hidden: optional ``[q, n]`` bool, the (query, entry) pairs that must not count.
+
+    ``log p = [q * scaling, -lse] . [k, 1]`` is one ``[kv_heads, n, d + 1] x [kv_heads, d + 1, q x group]``
+    product, so that the max over queries runs along memory; it is done in blocks of about
+    ``SCORE_BLOCK_ELEMENTS`` outputs (a few MB: the block stays in cache between the product and the max).
+    """
+    _, heads, q_len, dim = query.shape
+    kv_heads, n = scores.shape
     group = heads // kv_heads
-    bias = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill_(~visible, float("-inf"))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1),
-        attn_mask=bias[None, None], scale=scaling)
-    n = scores.shape[1]
-    # log p = [q * scaling, -lse] . [k, 1], computed as [kv_heads, n, d + 1] x [kv_heads, d + 1, queries x group]
-    # so that the max over queries runs along memory; queries in blocks of ~SCORE_BLOCK_ELEMENTS outputs
     k_aug = torch.cat([key[0, :, :n].float(), key.new_ones(kv_heads, n, 1, dtype=torch.float32)], dim=-1)
     q_aug = torch.cat([query[0].float() * scaling, -lse.reshape(heads, q_len, 1).float()], dim=-1)
     q_aug = q_aug.view(kv_heads, group, q_len, dim + 1).permute(0, 3, 2, 1).contiguous()  # [kv, d+1, q, g]
-    hidden = ~visible[:, :n]
-    any_hidden = bool(hidden.any())
     block = max(1, SCORE_BLOCK_ELEMENTS // max(1, kv_heads * n * group))
     for s in range(0, q_len, block):
         qb = q_aug[:, :, s : s + block]
         b = qb.shape[2]
         log_probs = torch.bmm(k_aug, qb.reshape(kv_heads, dim + 1, b * group))  # [kv_heads, n, b * group]
-        if any_hidden:
+        if hidden is not None:
             log_probs.view(kv_heads, n, b, group).masked_fill_(hidden[s : s + block].T[None, :, :, None],
                                                                float("-inf"))
         torch.maximum(scores, log_probs.amax(dim=-1).exp_(), out=scores)
+
+
+def _scored_attention_fused(query, key, value, visible, scaling, scores):
+    """CPU, any visibility shared by all heads: the fused flash kernel with a bias mask gives the output and each
+    query's log-sum-exp, then ``update_max_scores``. ``visible``: ``[q, kv]``, the same for every head."""
+    heads = query.shape[1]
+    group = heads // key.shape[1]
+    bias = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill_(~visible, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1),
+        attn_mask=bias[None, None], scale=scaling)
+    hidden = ~visible[:, : scores.shape[1]]
+    update_max_scores(scores, query, key, lse, scaling, hidden if bool(hidden.any()) else None)
     return out.transpose(1, 2).contiguous()
 
 
@@ -130,27 +197,21 @@ def attention_with_lse(query, key, value, scaling, window=None):
         ``[1, heads, q]`` float32 ``log sum_j exp(q . k_j * scaling)`` over the visible keys.
 
     On CPU without a biting window this is two calls of the fused flash kernel, one over the keys before the chunk
-    (all visible) and one causal over the chunk's own keys, combined through their log-sum-exps; no mask is built.
+    (all visible; the GQA group folded into the queries) and one causal over the chunk's own keys, combined through
+    their log-sum-exps; no mask is built.
     """
     _, heads, q_len, _ = query.shape
     kv_len = key.shape[2]
     group = heads // key.shape[1]
-    k, v = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     if query.device.type == "cpu" and (window is None or kv_len <= window):
-        past = kv_len - q_len
-        out, lse = flash(query, k[:, :, past:], v[:, :, past:], is_causal=True, scale=scaling)
-        if past > 0:
-            out_past, lse_past = flash(query, k[:, :, :past], v[:, :, :past], scale=scaling)
-            total = torch.logaddexp(lse, lse_past)
-            out = out * (lse - total).exp().unsqueeze(-1).to(out.dtype) \
-                + out_past * (lse_past - total).exp().unsqueeze(-1).to(out.dtype)
-            lse = total
-        return out.transpose(1, 2).contiguous(), lse.float()
+        out, lse = _attention_past_and_causal(query, key, value, kv_len - q_len, scaling)
+        return out.transpose(1, 2).contiguous(), lse
+    k, v = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
     visible = visible_mask(q_len, kv_len, window, query.device)
     if query.device.type == "cpu":
         bias = torch.zeros(visible.shape, dtype=query.dtype).masked_fill_(~visible, float("-inf"))
-        out, lse = flash(query, k, v, attn_mask=bias[None, None], scale=scaling)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, k, v, attn_mask=bias[None, None],
+                                                                             scale=scaling)
         return out.transpose(1, 2).contiguous(), lse.float()
     return _attention_with_lse_explicit(query, k, v, visible, scaling)
 
@@ -198,7 +259,11 @@ def kvpack_attention_forward(module, query, key, value, attention_mask, dropout:
         raise UnsupportedModelError("a kvpack cache serves one sequence at a time (batch size 1)")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    visible = layer.visibility(query.shape[2], kwargs.get("sliding_window"))
+    window = kwargs.get("sliding_window")
+    if (layer.scores is not None and query.device.type == "cpu" and layer.dense and window is None
+            and layer.tail_length == query.shape[2]):
+        return scored_attention_dense(query, key, value, layer.kept, scaling, layer.scores), None
+    visible = layer.visibility(query.shape[2], window)
     return masked_attention(query, key, value, visible, scaling, scores=layer.scores), None
 
 

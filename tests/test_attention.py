@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpack.attention import _scored_attention_explicit, _scored_attention_fused, masked_attention
+from kvpack.attention import (_scored_attention_explicit, _scored_attention_fused, attention_with_lse, masked_attention,
+                              scored_attention_dense)
 
 
 @pytest.mark.parametrize("group", [1, 4])
@@ -36,3 +37,44 @@ def test_fused_and_explicit_scoring_agree_with_softmax(group, block_elements, mo
         torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(s1, ref_scores, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(s2, ref_scores, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("block_elements", [100, 2**20])
+@pytest.mark.parametrize("kept", [0, 1, 29])
+def test_dense_scoring_matches_softmax_over_past_and_causal_tail(group, block_elements, kept, monkeypatch):
+    """KVzip's repeat pass: every query sees all cached entries and, causally, the repeat input's own keys."""
+    monkeypatch.setattr("kvpack.attention.SCORE_BLOCK_ELEMENTS", block_elements)
+    torch.manual_seed(1)
+    kv_heads, q_len, dim = 2, 23, 16
+    heads = kv_heads * group
+    q = torch.randn(1, heads, q_len, dim).transpose(1, 2).contiguous().transpose(1, 2)  # strided like transformers
+    k = torch.randn(1, kv_heads, kept + q_len, dim)
+    v = torch.randn(1, kv_heads, kept + q_len, dim)
+    n = min(kept, 20)  # scores for a prefix of the cached entries (KVzip skips none, but the API allows it)
+    scores = torch.zeros(kv_heads, n)
+    out = scored_attention_dense(q, k, v, kept, 0.3, scores)
+    visible = torch.ones(q_len, kept + q_len, dtype=torch.bool)
+    visible[:, kept:] = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+    kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    probs = (q @ kr.transpose(-1, -2) * 0.3).masked_fill(~visible, float("-inf")).softmax(-1)
+    torch.testing.assert_close(out, (probs @ vr).transpose(1, 2), atol=1e-5, rtol=1e-5)
+    ref = probs[0, :, :, :n].reshape(kv_heads, group, q_len, n).amax(dim=(1, 2))
+    torch.testing.assert_close(scores, ref, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("past", [0, 17])
+def test_attention_with_lse_matches_softmax(group, past):
+    torch.manual_seed(2)
+    kv_heads, q_len, dim = 2, 19, 8
+    q = torch.randn(1, kv_heads * group, q_len, dim)
+    k = torch.randn(1, kv_heads, past + q_len, dim)
+    v = torch.randn(1, kv_heads, past + q_len, dim)
+    out, lse = attention_with_lse(q, k, v, 0.5)
+    visible = torch.ones(q_len, past + q_len, dtype=torch.bool)
+    visible[:, past:] = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+    logits = (q @ k.repeat_interleave(group, 1).transpose(-1, -2) * 0.5).masked_fill(~visible, float("-inf"))
+    torch.testing.assert_close(lse, logits.logsumexp(-1), atol=1e-5, rtol=1e-5)
+    ref = logits.softmax(-1) @ v.repeat_interleave(group, 1)
+    torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
