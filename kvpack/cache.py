@@ -14,14 +14,15 @@ what question 2 gets from a fresh load.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .errors import InputError
 from .pack import Pack
+from .quant import head_row_pieces
 
 __all__ = ["PackedLayer", "KvpackCache"]
 
@@ -164,14 +165,35 @@ class KvpackCache(Cache):
         layers = []
         n = pack.original_tokens
         for idx, entries in enumerate(pack.layers):
-            if entries.quant is not None:
-                entries = entries.dequantized(dtype)
-            lengths = entries.head_lengths.tolist()
-            dt = dtype or entries.keys.dtype
             # ragged rows -> [kv_heads, longest head, dim], shorter heads padded (position -1 marks padding)
-            keys = pad_sequence(entries.keys.to(dt).split(lengths), batch_first=True)
-            values = pad_sequence(entries.values.to(dt).split(lengths), batch_first=True)
-            positions = pad_sequence(entries.positions.long().split(lengths), batch_first=True, padding_value=-1)
+            lengths, key_blocks, value_blocks = head_row_pieces(entries, dtype)
+            longest = max(lengths)
+            dt = dtype or entries.keys.dtype
+            keys = _padded(key_blocks, lengths, longest, entries.keys.shape[1], 0, dt)
+            values = _padded(value_blocks, lengths, longest, entries.values.shape[1], 0, dt)
+            p, offsets = entries.positions, itertools.accumulate(lengths, initial=0)
+            positions = _padded([[p[o : o + m]] if m else [] for o, m in zip(offsets, lengths)], lengths, longest,
+                                None, -1, p.dtype).long()
             layers.append(PackedLayer(keys.unsqueeze(0).to(device), values.unsqueeze(0).to(device),
                                       positions.to(device), n, sliding=idx in sliding_layers))
         return cls(layers, pack.token_ids.long().cpu(), dict(pack.metadata))
+
+
+def _padded(blocks: list[list[torch.Tensor]], lengths: list[int], longest: int, dim: int | None, fill: int,
+            dtype: torch.dtype) -> torch.Tensor:
+    """Heads' row blocks -> one padded tensor ``[heads, longest, dim]`` (``[heads, longest]`` if ``dim`` is None).
+
+    ``blocks[h]`` are head ``h``'s blocks (``[rows, dim]`` or ``[rows]``, all of ``dtype``), ``lengths[h]`` their
+    total rows; head ``h`` is followed by ``longest - lengths[h]`` rows of ``fill``. One concatenation (one copy),
+    like ``pad_sequence`` over the heads but without splitting first. Needs at least one head.
+    """
+    tail = () if dim is None else (dim,)
+    if longest == 0:  # every head is empty
+        return torch.full((len(lengths), 0, *tail), fill, dtype=dtype)
+    pad = torch.full((longest - min(lengths), *tail), fill, dtype=dtype)
+    parts = []
+    for head, n in zip(blocks, lengths):
+        parts += head
+        if n < longest:
+            parts.append(pad[: longest - n])
+    return torch.cat(parts).view(len(lengths), longest, *tail)
