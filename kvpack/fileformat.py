@@ -15,11 +15,13 @@ import hashlib
 import json
 import math
 import os
+import re
 import secrets
 import stat
 from dataclasses import dataclass
 from typing import Any, Union
 
+import numpy as np
 import torch
 import zstandard
 
@@ -307,7 +309,8 @@ def read_header(source: Source) -> PackHeader:
         TruncatedFileError, NotAKvpackFileError, CorruptFileError, ChecksumMismatchError (header),
         UnsupportedVersionError: see ``load_pack``.
     """
-    return _parse_header(_Source(source))[0]
+    with _Source(source) as src:
+        return _parse_header(src)[0]
 
 
 def verify(source: Source) -> PackHeader:
@@ -342,10 +345,15 @@ def load_pack(source: Source) -> Pack:
 
 
 class _Source:
-    """A file path or an in-memory file, read by byte range."""
+    """A file path or an in-memory file, read by byte range.
+
+    A path is opened once, on the first read, and stays open until ``close()`` (or the end of a ``with`` block):
+    a load reads the length prefix, the magic, the header and the data through one file object.
+    """
 
     def __init__(self, source: Source):
         self._data: bytes | None = None
+        self._file = None
         if isinstance(source, (bytes, bytearray, memoryview)):
             self._data = bytes(source)
             self.name, self.size = "kvpack data (in memory)", len(self._data)
@@ -363,6 +371,18 @@ class _Source:
             raise InputError(f"cannot read {self.path}: not a regular file; give the path of a .kvpack file")
         self.size = st.st_size
 
+    def __enter__(self) -> "_Source":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the file, if one was opened."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
     def read(self, start: int, n: int) -> bytes:
         """Exactly ``n`` bytes from ``start`` (the caller has checked the range against ``size``)."""
         return bytes(self.read_into_buffer(start, n)) if self._data is None else self._data[start : start + n]
@@ -373,9 +393,10 @@ class _Source:
             return bytearray(self._data[start : start + n])
         buf = bytearray(n)
         try:
-            with open(self.path, "rb") as f:
-                f.seek(start)
-                got = f.readinto(buf)
+            if self._file is None:
+                self._file = open(self.path, "rb", buffering=0)
+            self._file.seek(start)
+            got = self._file.readinto(buf)
         except OSError as exc:
             raise InputError(f"cannot read {self.path}: {exc.strerror or exc}; check the path") from exc
         if got != n:
@@ -385,9 +406,9 @@ class _Source:
 
 def _load(source: Source) -> tuple[PackHeader, Pack]:
     """Validate a whole file and build its Pack."""
-    src = _Source(source)
-    header, sums = _parse_header(src)
-    data = memoryview(src.read_into_buffer(header.header_bytes, header.file_bytes - header.header_bytes))
+    with _Source(source) as src:
+        header, sums = _parse_header(src)
+        data = memoryview(src.read_into_buffer(header.header_bytes, header.file_bytes - header.header_bytes))
     for name, info in header.tensors.items():
         b, e = info.offsets
         if _sha256(data[b:e]) != sums[name]:
@@ -396,16 +417,21 @@ def _load(source: Source) -> tuple[PackHeader, Pack]:
                 f"{src.name}: section {section!r} (tensor {name!r}) does not match its SHA-256: "
                 f"the file was altered or damaged; {_RECOPY}"
             )
-    t = {name: _tensor(data, info, src.name, name) for name, info in header.tensors.items()}
+    decompressors: dict[int, zstandard.ZstdDecompressor] = {}
+    t = {name: _tensor(data, info, src.name, name, decompressors) for name, info in header.tensors.items()}
     meta = dict(header.metadata)
     sink = meta.pop(C.SINK_TOKENS_KEY)
+    split = _checked_split(t, header, sink)
+    all_lengths = t[C.HEAD_LENGTHS].to(torch.int64)
     layers = []
     for l in range(header.num_layers):
         positions = t[C.layer_tensor_name(l, C.POSITIONS)]
-        head_lengths = t[C.HEAD_LENGTHS][l].to(torch.int64)
+        head_lengths = all_lengths[l]
         quant = None
         if header.group_size is not None:
-            if int(head_lengths.min()) >= 0 and int(head_lengths.sum()) == positions.shape[0]:
+            if split is not None:
+                sinks, body = split[0][l], split[1][l]
+            elif int(head_lengths.min()) >= 0 and int(head_lengths.sum()) == positions.shape[0]:
                 sinks, body, _ = split_lengths(positions, head_lengths, sink, header.group_size)
             else:  # _pack_problem reports the bad head lengths below
                 sinks = body = torch.zeros_like(head_lengths)
@@ -419,19 +445,67 @@ def _load(source: Source) -> tuple[PackHeader, Pack]:
             quant=quant,
         ))
     pack = Pack(token_ids=t[C.TOKEN_IDS].to(torch.int64), layers=layers, sink_tokens=sink, metadata=meta)
-    problem = _pack_problem(pack)
-    if problem is not None:
+    if split is None:  # something is wrong: the full check names it
+        problem = _pack_problem(pack)
+        if problem is None:
+            raise RuntimeError(f"internal error: {src.name} failed the vectorised pack checks but passes _pack_problem")
         raise CorruptFileError(f"{src.name}: {problem}; {_REBUILD}")
     return header, pack
 
 
-def _tensor(data: memoryview, info: TensorInfo, where: str, name: str) -> torch.Tensor:
+def _checked_split(t: dict[str, torch.Tensor], header: PackHeader, sink: int
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The value checks of ``_pack_problem`` on a file's tensors, for all layers at once; plus the quantized split.
+
+    ``t`` are the file's tensors (int32 ``token_ids``, ``head_lengths`` ``[layers, kv_heads]``, ``positions``; the
+    header has validated every dtype and shape). Checks: token ids >= 0; per layer, head lengths >= 0 summing to
+    the layer's entries, positions in ``[0, tokens)`` and strictly increasing within each head; for a quantized
+    file, that the body rows the layout rule gives (``split_lengths``) add up to each layer's quantized rows.
+
+    Returns ``None`` if any check fails (``_pack_problem`` then says which), else ``(sink_lengths, body_lengths)``:
+    int64 ``[layers, kv_heads]`` (per ``split_lengths``; zeros for an unquantized file).
+    """
+    layers = header.num_layers
+    tokens = t[C.TOKEN_IDS].numpy()
+    if tokens.size and tokens.min() < 0:  # int32 ids are <= INT32_MAX by type
+        return None
+    lengths = t[C.HEAD_LENGTHS].numpy().astype(np.int64)  # [layers, kv_heads]
+    pos = [t[C.layer_tensor_name(l, C.POSITIONS)].numpy() for l in range(layers)]
+    if lengths.min() < 0 or lengths.sum(axis=1).tolist() != [p.shape[0] for p in pos]:
+        return None
+    flat = lengths.reshape(-1)  # (layer, head) segments, in the order of the concatenated positions
+    ends = np.cumsum(flat)
+    starts = ends - flat
+    allpos = np.concatenate(pos)
+    if allpos.size:
+        if allpos.min() < 0 or allpos.max() >= tokens.shape[0]:
+            return None
+        rises = allpos[1:] > allpos[:-1]
+        rises[starts[(flat > 0) & (starts > 0)] - 1] = True  # a new segment may start lower
+        if not rises.all():
+            return None
+    if header.group_size is None:
+        zeros = torch.zeros(lengths.shape, dtype=torch.int64)
+        return zeros, zeros
+    g = header.group_size
+    below = np.concatenate([[0], np.cumsum(allpos < sink)])  # sink entries lead each head (positions increase)
+    sinks = below[ends] - below[starts]
+    body = (flat - sinks) // g * g
+    rows = [t[C.layer_tensor_name(l, C.KEY_CODES)].shape[0] for l in range(layers)]
+    if body.reshape(layers, -1).sum(axis=1).tolist() != rows:
+        return None
+    return torch.from_numpy(sinks.reshape(lengths.shape)), torch.from_numpy(body.reshape(lengths.shape))
+
+
+def _tensor(data: memoryview, info: TensorInfo, where: str, name: str,
+            decompressors: dict[int, zstandard.ZstdDecompressor]) -> torch.Tensor:
     """A tensor over the data-buffer range of ``info`` (decoded into its own buffer if it is encoded).
 
-    ``data`` is a writable buffer private to this load, so plain tensors are views into it, not copies."""
+    ``data`` is a writable buffer private to this load, so plain tensors are views into it, not copies.
+    ``decompressors`` are reused between the tensors of one load (see ``_decode``)."""
     dtype = C.DTYPE_BY_CODE[info.dtype]
     b, e = info.offsets
-    raw = data[b:e] if info.codec is None else _decode(where, name, data[b:e], info)
+    raw = data[b:e] if info.codec is None else _decode(where, name, data[b:e], info, decompressors)
     if len(raw) == 0:
         return torch.empty(info.shape, dtype=dtype)
     return torch.frombuffer(raw, dtype=dtype).reshape(info.shape)
@@ -467,10 +541,12 @@ def _parse_header(src: _Source) -> tuple[PackHeader, dict[str, str]]:
 
     # 2. JSON object, format, version
     raw = src.read(C.LENGTH_PREFIX_BYTES, n)
-    try:
-        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant)
-    except (ValueError, RecursionError) as exc:
-        raise corrupt(f"the header is not valid JSON ({_short(exc)})") from None
+    obj, canonical = _parse_canonical(raw)
+    if obj is None:  # not canonical: parse again, rejecting duplicate keys and NaN, to say what is wrong
+        try:
+            obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as exc:
+            raise corrupt(f"the header is not valid JSON ({_short(exc)})") from None
     if not isinstance(obj, dict):
         raise corrupt("the header is not a JSON object")
     meta = obj.get(C.METADATA_KEY)
@@ -558,13 +634,12 @@ def _parse_header(src: _Source) -> tuple[PackHeader, dict[str, str]]:
         raise corrupt(problem)
 
     # 4. canonical bytes and the header checksum
-    if raw != _padded(_canonical(obj)):
+    if canonical is None:
         raise corrupt("the header is not in canonical form (sorted keys, compact, ASCII, space padding)")
     stored = meta[C.META_HEADER_SHA256]
-    unsigned = {**obj, C.METADATA_KEY: {k: x for k, x in meta.items() if k != C.META_HEADER_SHA256}}
     if not _is_sha256(stored):
         raise corrupt(f"{C.META_HEADER_SHA256!r} is not a lowercase hex SHA-256")
-    if _sha256(_canonical(unsigned)) != stored:
+    if _sha256(_unsigned_canonical(canonical, obj, v, stored)) != stored:
         raise ChecksumMismatchError(
             f"{name}: section 'header' does not match its SHA-256: the file was altered or damaged; {_RECOPY}"
         )
@@ -587,6 +662,40 @@ def _parse_header(src: _Source) -> tuple[PackHeader, dict[str, str]]:
     return header, sums
 
 
+def _parse_canonical(raw: bytes) -> tuple[Any, bytes | None]:
+    """``(header object, canonical text)`` if ``raw`` is a canonical, padded JSON header; else ``(None, None)``.
+
+    A header that equals the canonical re-encoding of what it parses to has no duplicate keys, NaN or
+    infinities (the encoding of a dict has none), so one fast parse without hooks is enough. For any other header
+    the caller parses again with the strict hooks, to report the first problem in the reader's usual order.
+    """
+    try:
+        obj = json.loads(raw)
+        canonical = _canonical(obj)
+    except (ValueError, RecursionError, TypeError):
+        return None, None
+    if raw != _padded(canonical):
+        return None, None
+    return obj, canonical
+
+
+def _unsigned_canonical(canonical: bytes, obj: dict[str, Any], version: str, stored: str) -> bytes:
+    """The canonical header without ``header_sha256`` (what that checksum covers), from the canonical header.
+
+    ``__metadata__`` is the first key and its keys are sorted, so after ``format`` and ``format_version`` comes
+    ``header_sha256`` unless some unknown key sorts in between; cutting that member out of the text gives exactly
+    the re-encoding of the unsigned header. Any other layout is re-encoded the slow way.
+    """
+    head = (f'{{"{C.METADATA_KEY}":{{"{C.META_FORMAT}":"{C.FORMAT_NAME}","{C.META_FORMAT_VERSION}":"{version}",'
+            .encode("ascii"))
+    member = f'"{C.META_HEADER_SHA256}":"{stored}",'.encode("ascii")
+    if canonical.startswith(head) and canonical.startswith(member, len(head)):
+        return head + canonical[len(head) + len(member):]
+    meta = obj[C.METADATA_KEY]
+    unsigned = {**obj, C.METADATA_KEY: {k: x for k, x in meta.items() if k != C.META_HEADER_SHA256}}
+    return _canonical(unsigned)
+
+
 def _parse_json(text: str, corrupt) -> Any:
     """Parse a JSON string of ``__metadata__`` (no duplicate keys, no NaN), raising ``corrupt(...)``."""
     try:
@@ -597,14 +706,14 @@ def _parse_json(text: str, corrupt) -> Any:
 
 def _codec_problem(codec: Any) -> str | None:
     """Why a ``tensor_codecs`` entry is malformed, or None."""
-    if not isinstance(codec, dict) or set(codec) != set(C.CODEC_KEYS):
+    if not isinstance(codec, dict) or codec.keys() != _CODEC_KEY_SET:
         return f"its codec entry must be an object with exactly the keys {list(C.CODEC_KEYS)}"
     if codec["codec"] != C.CODEC_ZSTD:
         return f"unknown codec {str(codec['codec'])[:20]!r} (known: {C.CODEC_ZSTD!r})"
     dtype, shape, level, filt = codec["dtype"], codec["shape"], codec["level"], codec["filter"]
     if dtype not in C.DTYPE_BY_CODE:
         return f"unknown dtype {str(dtype)[:20]!r} (known: {sorted(C.DTYPE_BY_CODE)})"
-    if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d <= C.INT32_MAX for d in shape):
+    if not _is_shape(shape):
         return f"the shape must be a list of integers in [0, {C.INT32_MAX}]"
     if not _is_int(level) or not C.ZSTD_MIN_LEVEL <= level <= C.ZSTD_MAX_LEVEL:
         return f"the level must be an integer in [{C.ZSTD_MIN_LEVEL}, {C.ZSTD_MAX_LEVEL}]"
@@ -631,11 +740,6 @@ def _shuffle(raw: bytes, itemsize: int) -> bytes:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(-1, itemsize).t().contiguous().numpy().tobytes()
 
 
-def _unshuffle(data: bytearray, itemsize: int) -> bytearray:
-    """Inverse of ``_shuffle``."""
-    return bytearray(torch.frombuffer(data, dtype=torch.uint8).reshape(itemsize, -1).t().contiguous().numpy())
-
-
 def _encode(raw: bytes, code: str, filt: str, level: int) -> bytes:
     """Filter the raw little-endian bytes of a ``code`` tensor, then compress them into one zstd frame."""
     itemsize = C.DTYPE_BY_CODE[code].itemsize
@@ -649,9 +753,12 @@ def _encode(raw: bytes, code: str, filt: str, level: int) -> bytes:
     return zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=True).compress(raw)
 
 
-def _decode(where: str, name: str, data: memoryview, info: TensorInfo) -> bytearray:
-    """The raw bytes of encoded tensor ``name``; every size is checked before anything is allocated.
+def _decode(where: str, name: str, data: memoryview, info: TensorInfo,
+            decompressors: dict[int, zstandard.ZstdDecompressor] | None = None) -> memoryview:
+    """The raw bytes of encoded tensor ``name`` (a writable buffer); every size is checked before anything is
+    allocated.
 
+    ``decompressors`` (window size -> decompressor) lets the tensors of one load share decompression contexts.
     Raises ``CorruptFileError`` for anything but one intact zstd frame declaring exactly ``info.raw_nbytes``.
     """
     raw = info.raw_nbytes
@@ -673,38 +780,56 @@ def _decode(where: str, name: str, data: memoryview, info: TensorInfo) -> bytear
     if params.dict_id:
         raise corrupt("its zstd frame needs a dictionary, which kvpack files never use")
     window = 1 << max(10, (raw - 1).bit_length())  # a frame of `raw` bytes never needs a larger window
+    decompressors = {} if decompressors is None else decompressors
+    if window not in decompressors:
+        decompressors[window] = zstandard.ZstdDecompressor(max_window_size=window)
     try:
         # the frame declared exactly `raw` bytes (checked above), so this allocates `raw` bytes, no more
-        out = zstandard.ZstdDecompressor(max_window_size=window).decompress(
-            data, max_output_size=raw, allow_extra_data=False)
+        out = decompressors[window].decompress(data, max_output_size=raw, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise corrupt(f"its zstd frame is damaged ({_short(exc)})") from None
     if len(out) != raw:
         raise corrupt(f"its zstd frame decompressed to {len(out)} bytes instead of {raw}")
-    out = bytearray(out)
+    plain = np.frombuffer(out, dtype=np.uint8)  # read-only view of the decompressed bytes
     filt = info.codec.filter
     if filt in (C.FILTER_SHUFFLE, C.FILTER_DELTA_SHUFFLE):
-        out = _unshuffle(out, C.DTYPE_BY_CODE[info.dtype].itemsize)
+        plain = plain.reshape(C.DTYPE_BY_CODE[info.dtype].itemsize, -1).T  # byte planes -> elements
+    plain = plain.copy()  # writable, C order: the elements' little-endian bytes
     if filt == C.FILTER_DELTA_SHUFFLE:
-        x = torch.cumsum(torch.frombuffer(out, dtype=torch.int32).to(torch.int64), 0)
-        out = bytearray(((x + 2**31) % 2**32 - 2**31).to(torch.int32).numpy().tobytes())
-    return out
+        deltas = plain.view(np.uint32).reshape(-1)
+        np.cumsum(deltas, dtype=np.uint32, out=deltas)  # unsigned: wraps modulo 2**32, as the int32 two's complement encoder did
+    return memoryview(plain).cast("B")
 
 
 def _entry_problem(entry: Any) -> str | None:
     """Why a tensor index entry is malformed, or None."""
-    if not isinstance(entry, dict) or set(entry) != set(C.INDEX_KEYS):
+    if not isinstance(entry, dict) or entry.keys() != _INDEX_KEY_SET:
         return f"the index entry must be an object with exactly the keys {list(C.INDEX_KEYS)}"
     dtype, shape, offsets = entry[C.INDEX_DTYPE], entry[C.INDEX_SHAPE], entry[C.INDEX_OFFSETS]
     if dtype not in C.DTYPE_BY_CODE:
         return f"unknown dtype {str(dtype)[:20]!r} (known: {sorted(C.DTYPE_BY_CODE)})"
-    if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d <= C.INT32_MAX for d in shape):
+    if not _is_shape(shape):
         return f"the shape must be a list of integers in [0, {C.INT32_MAX}]"
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) and o >= 0 for o in offsets):
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not _is_int(offsets[0]) or not _is_int(offsets[1])
+            or offsets[0] < 0 or offsets[1] < 0):
         return "data_offsets must be two non-negative integers"
     if offsets[1] - offsets[0] != math.prod(shape) * C.DTYPE_BY_CODE[dtype].itemsize:
         return f"data_offsets {offsets} do not span shape x itemsize bytes"
     return None
+
+
+_INDEX_KEY_SET = frozenset(C.INDEX_KEYS)
+_CODEC_KEY_SET = frozenset(C.CODEC_KEYS)
+
+
+def _is_shape(x: Any) -> bool:
+    """Whether ``x`` is a list of integers (not booleans) in ``[0, INT32_MAX]``: one plain loop, no generator."""
+    if not isinstance(x, list):
+        return False
+    for d in x:
+        if type(d) is not int or not 0 <= d <= C.INT32_MAX:  # type(True) is bool, not int
+            return False
+    return True
 
 
 def _index_problem(tensors: dict[str, TensorInfo], quant_type: str = C.QUANT_NONE,
@@ -858,8 +983,12 @@ def _is_int_tensor(x: Any) -> bool:
     return not (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool)
 
 
+_SHA256_HEX = re.compile(f"[0-9a-f]{{{C.SHA256_HEX_LENGTH}}}")
+
+
 def _is_sha256(x: Any) -> bool:
-    return isinstance(x, str) and len(x) == C.SHA256_HEX_LENGTH and all(c in "0123456789abcdef" for c in x)
+    """Whether ``x`` is a SHA-256 in lowercase hex (64 characters)."""
+    return isinstance(x, str) and _SHA256_HEX.fullmatch(x) is not None
 
 
 def _sha256(data: bytes | memoryview) -> str:
