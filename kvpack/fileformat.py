@@ -387,11 +387,14 @@ class _Source:
         """Exactly ``n`` bytes from ``start`` (the caller has checked the range against ``size``)."""
         return bytes(self.read_into_buffer(start, n)) if self._data is None else self._data[start : start + n]
 
-    def read_into_buffer(self, start: int, n: int) -> bytearray:
-        """Exactly ``n`` bytes from ``start`` in a fresh, writable buffer (tensors can then share it, no copy)."""
+    def read_into_buffer(self, start: int, n: int) -> bytearray | np.ndarray:
+        """Exactly ``n`` bytes from ``start`` in a fresh, writable buffer (tensors can then share it, no copy).
+
+        From a file the buffer is an uninitialised uint8 array ``[n]`` that the read fills (no zero-filling first).
+        """
         if self._data is not None:
             return bytearray(self._data[start : start + n])
-        buf = bytearray(n)
+        buf = np.empty(n, dtype=np.uint8)
         try:
             if self._file is None:
                 self._file = open(self.path, "rb", buffering=0)
