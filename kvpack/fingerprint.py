@@ -60,13 +60,35 @@ def weights_sha256(model) -> str:
 
 
 def model_fingerprint(model, tokenizer, kv_dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """Everything that must match for a pack to be valid in a model: a JSON-serialisable dict.
+    """Everything that must match for a pack to be valid in a model: a JSON-serialisable dict (a fresh copy).
 
     Fields: ``architecture`` (class name), ``model_type``, ``num_layers``, ``num_heads``, ``num_kv_heads``,
     ``head_dim``, ``rope`` (the config's RoPE type, theta and scaling), ``sliding_layers``, ``sliding_window``,
     ``vocab_size``, ``tokenizer_sha256``, ``weights_sha256``; informative only: ``dtype`` of the stored KV and
     ``name`` (the path or id the model was loaded from).
+
+    The model's fields are read once per model object and tokenizer and cached on the model, like
+    ``weights_sha256``: the fingerprint identifies the model that was loaded, not later edits of its config.
     """
+    return json.loads(json.dumps(_cached_fingerprint(model, tokenizer, kv_dtype)))
+
+
+def _cached_fingerprint(model, tokenizer, kv_dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """``model_fingerprint`` without the copy: a dict shared between calls, which callers must not modify.
+
+    Cached on the model per ``(tokenizer hash, KV dtype, model dtype)``; ``kvpack.load`` compares it with a
+    pack's fingerprint on every load, so it must not cost a config walk each time.
+    """
+    tok_sha = tokenizer_sha256(tokenizer) if tokenizer is not None else None
+    key = (tok_sha, kv_dtype, model.dtype)
+    cache = model.__dict__.setdefault("_kvpack_fingerprints", {})
+    if key not in cache:
+        cache[key] = _fingerprint(model, tok_sha, kv_dtype)
+    return cache[key]
+
+
+def _fingerprint(model, tok_sha: str | None, kv_dtype: torch.dtype | None) -> dict[str, Any]:
+    """The fingerprint of ``model`` (see ``model_fingerprint``), computed from its config and weights."""
     spec = model_spec(model)
     cfg = model.config
     rope = getattr(cfg, "rope_parameters", None) or {}
@@ -82,7 +104,7 @@ def model_fingerprint(model, tokenizer, kv_dtype: torch.dtype | None = None) -> 
         "sliding_layers": list(spec.sliding_layers),
         "sliding_window": spec.sliding_window,
         "vocab_size": int(cfg.vocab_size),
-        "tokenizer_sha256": tokenizer_sha256(tokenizer) if tokenizer is not None else None,
+        "tokenizer_sha256": tok_sha,
         "weights_sha256": weights_sha256(model),
         "dtype": str(kv_dtype or model.dtype).replace("torch.", ""),
         "name": getattr(model, "kvpack_name", None) or getattr(cfg, "_name_or_path", "") or "",

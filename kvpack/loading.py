@@ -9,7 +9,7 @@ import torch
 from .attention import use_kvpack_attention
 from .cache import KvpackCache
 from .fileformat import load_pack
-from .fingerprint import check_fingerprint, model_fingerprint
+from .fingerprint import _cached_fingerprint, check_fingerprint
 from .model import model_spec
 from .pack import Pack
 
@@ -22,7 +22,7 @@ def cache_from_pack(pack: Pack, model, tokenizer=None, *, device=None, where: st
     The KV is cast to the model's dtype and placed on ``device`` (default: the model's device); the model is
     switched to the ``"kvpack"`` attention. Raises ``ModelMismatchError`` naming both models on mismatch.
     """
-    current = model_fingerprint(model, tokenizer)
+    current = _cached_fingerprint(model, tokenizer)  # read only
     stored = dict(pack.metadata.get("fingerprint", {}))
     if tokenizer is None:
         stored.pop("tokenizer_sha256", None)
