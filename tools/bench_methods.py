@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpack  # noqa: E402
-from kvpack.bench.speed import plain_prefill, timed  # noqa: E402
+from kvpack.bench.speed import causal_attention_alone, plain_prefill, timed  # noqa: E402
 from kvpack import tasks  # noqa: E402
 from kvpack.layout import chat_layout  # noqa: E402
 from kvpack.methods import METHODS  # noqa: E402
@@ -58,13 +58,15 @@ def main() -> None:
     def build(method):
         return kvpack.compress(model, tok, text, method=method, ratio=args.ratio, chunk_size=args.chunk_size)
 
-    rows: dict[str, list[float]] = {"prefill": [], **{m: [] for m in methods}}
+    attention = causal_attention_alone(model, ids.shape[1])
+    rows: dict[str, list[float]] = {"prefill": [], "attention": [], **{m: [] for m in methods}}
     kept: dict[str, int] = {}
     for round_ in range(args.warmup + args.repeats):
         record = round_ >= args.warmup
         t, _ = timed(prefill)
         if record:
             rows["prefill"].append(t)
+            rows["attention"].append(timed(attention)[0])
         for m in methods:
             t, pack = timed(lambda: build(m))
             kept[m] = pack.metadata["stats"]["context_entries_kept"]
@@ -77,6 +79,7 @@ def main() -> None:
     print("| build | median seconds | vs plain prefill | context entries kept |")
     print("|---|---|---|---|")
     print(f"| plain prefill | {base:.4f} | 1.000x | - |")
+    print(f"| of which attention (SDPA alone, every layer) | {med['attention']:.4f} | {med['attention'] / base:.3f}x | - |")
     for m in methods:
         flag = " (target <= 1.1x)" if m in TARGET_1_1 else ""
         print(f"| {m} | {med[m]:.4f} | {med[m] / base:.3f}x{flag} | {kept[m]:,} |")
