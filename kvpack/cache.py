@@ -14,15 +14,14 @@ what question 2 gets from a fresh load.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .errors import InputError
-from .pack import Pack
-from .quant import head_row_pieces
+from .pack import LayerEntries, Pack
+from .quant import dequantize_bodies
 
 __all__ = ["PackedLayer", "KvpackCache"]
 
@@ -37,13 +36,14 @@ class PackedLayer(CacheLayerMixin):
         original_length: tokens in the original context (the logical length before any new token).
         sliding: whether this is a sliding-window layer kept intact (informational; the window itself comes from
             the model's attention call).
+        dense: whether no head is padded (``positions`` has no ``-1``); computed from ``positions`` if ``None``.
     """
 
     is_compileable = False
     is_croppable = False
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, original_length: int,
-                 sliding: bool = False):
+                 sliding: bool = False, dense: bool | None = None):
         super().__init__()
         self.keys, self.values = keys, values
         self.positions = positions
@@ -55,7 +55,7 @@ class PackedLayer(CacheLayerMixin):
         #: ``[kv_heads, kept]`` float32 buffer set while KVzip scores; ``None`` otherwise.
         self.scores: torch.Tensor | None = None
         #: every head holds all ``kept`` entries (no padding), so masks reduce to causality among new tokens
-        self.dense = bool((positions >= 0).all())
+        self.dense = bool((positions >= 0).all()) if dense is None else bool(dense)
 
     @property
     def tail_length(self) -> int:
@@ -156,44 +156,105 @@ class KvpackCache(Cache):
         """Lay a ``Pack`` out as padded per-layer tensors on ``device`` (cast to ``dtype`` if given).
 
         A quantized layer is dequantized first (on CPU, ``kvpack.quant``: ``code x scale + min`` in float32, then
-        ``dtype``), so the cache holds ordinary full-precision tensors.
+        ``dtype``), so the cache holds ordinary full-precision tensors. Without ``dtype`` each layer keeps the dtype
+        of its keys (its values are cast to it).
 
-        Raises ``InputError`` if the pack has no layers.
+        Raises ``InputError`` if the pack has no layers, or if a layer's tensors do not have the rows its head
+        lengths (and, quantized, its sink and body lengths) call for.
         """
         if not pack.layers:
             raise InputError("the pack has no layers")
-        layers = []
         n = pack.original_tokens
-        for idx, entries in enumerate(pack.layers):
-            # ragged rows -> [kv_heads, longest head, dim], shorter heads padded (position -1 marks padding)
-            lengths, key_blocks, value_blocks = head_row_pieces(entries, dtype)
-            longest = max(lengths)
-            dt = dtype or entries.keys.dtype
-            keys = _padded(key_blocks, lengths, longest, entries.keys.shape[1], 0, dt)
-            values = _padded(value_blocks, lengths, longest, entries.values.shape[1], 0, dt)
-            p, offsets = entries.positions, itertools.accumulate(lengths, initial=0)
-            positions = _padded([[p[o : o + m]] if m else [] for o, m in zip(offsets, lengths)], lengths, longest,
-                                None, -1, p.dtype).long()
-            layers.append(PackedLayer(keys.unsqueeze(0).to(device), values.unsqueeze(0).to(device),
-                                      positions.to(device), n, sliding=idx in sliding_layers))
+        layers = [PackedLayer(keys, values, positions, n, sliding=idx in sliding_layers, dense=dense)
+                  for idx, (keys, values, positions, dense) in enumerate(_laid_out(pack.layers, dtype, device))]
         return cls(layers, pack.token_ids.long().cpu(), dict(pack.metadata))
 
 
-def _padded(blocks: list[list[torch.Tensor]], lengths: list[int], longest: int, dim: int | None, fill: int,
-            dtype: torch.dtype) -> torch.Tensor:
-    """Heads' row blocks -> one padded tensor ``[heads, longest, dim]`` (``[heads, longest]`` if ``dim`` is None).
+def _laid_out(layers: list[LayerEntries], dtype: torch.dtype | None, device: torch.device | str
+              ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]:
+    """Every layer of a pack padded per head: ``(keys, values, positions, dense)`` in layer order.
 
-    ``blocks[h]`` are head ``h``'s blocks (``[rows, dim]`` or ``[rows]``, all of ``dtype``), ``lengths[h]`` their
-    total rows; head ``h`` is followed by ``longest - lengths[h]`` rows of ``fill``. One concatenation (one copy),
-    like ``pad_sequence`` over the heads but without splitting first. Needs at least one head.
+    ``keys`` ``[1, kv_heads, longest, head_dim]`` and ``values`` ``[1, kv_heads, longest, head_dim_v]`` in ``dtype``
+    (default: the layer's keys' dtype), zeros after each head's rows; ``positions`` ``[kv_heads, longest]`` int64,
+    ``-1`` after each head's rows; ``dense``: no head is padded. ``longest`` is the layer's longest head.
+
+    Layers that share the target dtype, head sizes, head count and quantization setting (all layers of a normal
+    pack) are laid out together by ``_laid_out_group``: one dequantization and one concatenation for all of them.
     """
-    tail = () if dim is None else (dim,)
-    if longest == 0:  # every head is empty
-        return torch.full((len(lengths), 0, *tail), fill, dtype=dtype)
-    pad = torch.full((longest - min(lengths), *tail), fill, dtype=dtype)
-    parts = []
-    for head, n in zip(blocks, lengths):
-        parts += head
-        if n < longest:
-            parts.append(pad[: longest - n])
-    return torch.cat(parts).view(len(lengths), longest, *tail)
+    groups: dict[tuple, list[int]] = {}
+    for idx, entries in enumerate(layers):
+        q = entries.quant
+        key = (dtype or entries.keys.dtype, entries.keys.shape[1], entries.values.shape[1],
+               entries.head_lengths.shape[0], None if q is None else (q.qtype, q.group_size))
+        groups.setdefault(key, []).append(idx)
+    out: list = [None] * len(layers)
+    for key, members in groups.items():
+        for idx, laid in zip(members, _laid_out_group([layers[i] for i in members], key[0], device)):
+            out[idx] = laid
+    return out
+
+
+def _laid_out_group(layers: list[LayerEntries], dt: torch.dtype, device: torch.device | str
+                    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]:
+    """``_laid_out`` for layers with one dtype ``dt``, head sizes, head count and quantization setting.
+
+    The quantized body rows of all the layers are dequantized at once (``dequantize_bodies``, float32, then ``dt``).
+    Head ``h`` of a layer is then up to four row blocks, its sink rows (full precision), its body rows, its residual
+    rows (full precision) and padding; the blocks of every head of every layer go into one concatenation (one copy)
+    per tensor kind, moved to ``device`` in one transfer, and each layer's tensors are views of it.
+    An unquantized layer is one block per head (sink rows = all rows, no body).
+    """
+    d, dv = layers[0].keys.shape[1], layers[0].values.shape[1]
+    heads = layers[0].head_lengths.shape[0]
+    lengths = [e.head_lengths.tolist() for e in layers]  # [layers][heads]
+    body_keys = body_values = None
+    if layers[0].quant is not None:
+        body_keys, body_values = dequantize_bodies([e.quant for e in layers])
+        body_keys, body_values = body_keys.to(dt), body_values.to(dt)
+        sinks = [e.quant.sink_lengths.tolist() for e in layers]
+        bodies = [e.quant.body_lengths.tolist() for e in layers]
+    else:
+        sinks, bodies = lengths, [[0] * heads] * len(layers)
+    longest = [max(row) for row in lengths]
+    most_pad = max(m - min(row) for m, row in zip(longest, lengths))
+    pad_keys = torch.zeros(most_pad, d, dtype=dt)
+    pad_values = pad_keys if dv == d else torch.zeros(most_pad, dv, dtype=dt)
+    pad_positions = torch.full((most_pad,), -1, dtype=torch.int64)
+    key_parts, value_parts, position_parts = [], [], []
+    q = 0  # next body row (over all layers)
+    for l, (entries, ns, ss, bs, m) in enumerate(zip(layers, lengths, sinks, bodies, longest)):
+        keys, values, positions = entries.keys.to(dt), entries.values.to(dt), entries.positions
+        fp = sum(ns) - sum(bs)  # full-precision rows
+        if keys.shape[0] != fp or values.shape[0] != fp or positions.shape[0] != sum(ns) or (
+                body_keys is not None and entries.quant.key_codes.shape[0] != sum(bs)):
+            raise InputError(f"layer {l} of the group: its tensors' rows do not match its head lengths {ns}")
+        fp = p = 0  # next full-precision row, next position of this layer
+        for n, s, b in zip(ns, ss, bs):
+            r = n - s - b
+            # (keys source, values source, first row, rows): sink, body and residual rows of this head
+            for src_k, src_v, a, rows in ((keys, values, fp, s), (body_keys, body_values, q, b),
+                                          (keys, values, fp + s, r)):
+                if rows:
+                    key_parts.append(src_k[a : a + rows])
+                    value_parts.append(src_v[a : a + rows])
+            if n:
+                position_parts.append(positions[p : p + n])
+            if n < m:
+                key_parts.append(pad_keys[: m - n])
+                value_parts.append(pad_values[: m - n])
+                position_parts.append(pad_positions[: m - n])
+            fp, q, p = fp + s + r, q + b, p + n
+    total = heads * sum(longest)
+    all_keys = torch.cat(key_parts) if key_parts else torch.empty(0, d, dtype=dt)
+    all_values = torch.cat(value_parts) if value_parts else torch.empty(0, dv, dtype=dt)
+    all_positions = torch.empty(total, dtype=torch.int64)
+    if position_parts:
+        torch.cat(position_parts, out=all_positions)  # int32 positions are widened by the copy
+    all_keys, all_values, all_positions = all_keys.to(device), all_values.to(device), all_positions.to(device)
+    out, start = [], 0
+    for ns, m in zip(lengths, longest):
+        end = start + heads * m
+        out.append((all_keys[start:end].view(1, heads, m, d), all_values[start:end].view(1, heads, m, dv),
+                    all_positions[start:end].view(heads, m), min(ns) == m))
+        start = end
+    return out

@@ -45,6 +45,7 @@ __all__ = [
     "quantize_layer",
     "head_row_pieces",
     "dequantize_layer",
+    "dequantize_bodies",
     "quantize_pack",
     "layer_error_stats",
     "layer_quant_problem",
@@ -368,6 +369,29 @@ def head_row_pieces(entries: LayerEntries, dtype: torch.dtype | None = None
         value_blocks.append([(values, body_values)[i][a : a + m] for i, a, m in spans if m])
         fp, q = fp + s + r, q + b
     return lengths, key_blocks, value_blocks
+
+
+def dequantize_bodies(quants: list[QuantizedRows]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The body rows of several layers dequantized together: one ``dequantize_keys`` and one ``dequantize_values``.
+
+    Args:
+        quants: the layers' ``QuantizedRows``, all with the same ``qtype``, ``group_size`` and head sizes.
+
+    Returns:
+        ``(keys, values)``: float32 ``[sum of Q, head_dim]`` and ``[sum of Q, head_dim_v]``, layer ``i``'s body rows
+        right after layer ``i - 1``'s. Bit-identical to dequantizing each layer alone: every layer's ``Q`` is a
+        multiple of ``G``, so the key groups (``G`` rows) of the concatenation are the layers' own groups, and value
+        groups never span rows.
+    """
+    qtype, g = quants[0].qtype, quants[0].group_size
+
+    def joined(part: str) -> torch.Tensor:
+        parts = [getattr(q, part) for q in quants]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    keys = dequantize_keys(joined("key_codes"), joined("key_scales"), joined("key_mins"), qtype, g)
+    values = dequantize_values(joined("value_codes"), joined("value_scales"), joined("value_mins"), qtype, g)
+    return keys, values
 
 
 def dequantize_layer(entries: LayerEntries, dtype: torch.dtype | None = None) -> LayerEntries:
