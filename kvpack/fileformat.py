@@ -420,8 +420,8 @@ def _load(source: Source) -> tuple[PackHeader, Pack]:
                 f"{src.name}: section {section!r} (tensor {name!r}) does not match its SHA-256: "
                 f"the file was altered or damaged; {_RECOPY}"
             )
-    decompressors: dict[int, zstandard.ZstdDecompressor] = {}
-    t = {name: _tensor(data, info, src.name, name, decompressors) for name, info in header.tensors.items()}
+    decompressor = _decompressor(header)
+    t = {name: _tensor(data, info, src.name, name, decompressor) for name, info in header.tensors.items()}
     meta = dict(header.metadata)
     sink = meta.pop(C.SINK_TOKENS_KEY)
     split = _checked_split(t, header, sink)
@@ -501,14 +501,14 @@ def _checked_split(t: dict[str, torch.Tensor], header: PackHeader, sink: int
 
 
 def _tensor(data: memoryview, info: TensorInfo, where: str, name: str,
-            decompressors: dict[int, zstandard.ZstdDecompressor]) -> torch.Tensor:
+            decompressor: zstandard.ZstdDecompressor | None) -> torch.Tensor:
     """A tensor over the data-buffer range of ``info`` (decoded into its own buffer if it is encoded).
 
     ``data`` is a writable buffer private to this load, so plain tensors are views into it, not copies.
-    ``decompressors`` are reused between the tensors of one load (see ``_decode``)."""
+    ``decompressor`` is shared by the encoded tensors of one load (``_decompressor``; ``None`` if there are none)."""
     dtype = C.DTYPE_BY_CODE[info.dtype]
     b, e = info.offsets
-    raw = data[b:e] if info.codec is None else _decode(where, name, data[b:e], info, decompressors)
+    raw = data[b:e] if info.codec is None else _decode(where, name, data[b:e], info, decompressor)
     if len(raw) == 0:
         return torch.empty(info.shape, dtype=dtype)
     return torch.frombuffer(raw, dtype=dtype).reshape(info.shape)
@@ -756,12 +756,26 @@ def _encode(raw: bytes, code: str, filt: str, level: int) -> bytes:
     return zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=True).compress(raw)
 
 
+def _decompressor(header: PackHeader) -> zstandard.ZstdDecompressor | None:
+    """One zstd decompressor for all the encoded tensors of a file (``None`` if it has none).
+
+    Its window limit is the largest any of the file's frames may use (the next power of two >= the tensor's size,
+    at least 1 KiB). ``_decode`` hands zstd an output buffer of exactly the declared content size and the whole
+    frame, so zstd decodes in a single pass straight into that buffer and allocates no window at all; the limit
+    only bounds the streaming fallback zstd takes for a frame cut short (which then fails).
+    """
+    sizes = [info.raw_nbytes for info in header.tensors.values() if info.codec is not None]
+    if not sizes:
+        return None
+    return zstandard.ZstdDecompressor(max_window_size=1 << max(10, (max(sizes) - 1).bit_length()))
+
+
 def _decode(where: str, name: str, data: memoryview, info: TensorInfo,
-            decompressors: dict[int, zstandard.ZstdDecompressor] | None = None) -> memoryview:
+            decompressor: zstandard.ZstdDecompressor | None = None) -> memoryview:
     """The raw bytes of encoded tensor ``name`` (a writable buffer); every size is checked before anything is
     allocated.
 
-    ``decompressors`` (window size -> decompressor) lets the tensors of one load share decompression contexts.
+    ``decompressor`` (default: a new one) lets the tensors of one load share one decompression context.
     Raises ``CorruptFileError`` for anything but one intact zstd frame declaring exactly ``info.raw_nbytes``.
     """
     raw = info.raw_nbytes
@@ -782,26 +796,38 @@ def _decode(where: str, name: str, data: memoryview, info: TensorInfo,
                       f"{raw} ({info.dtype} {list(info.shape)})")
     if params.dict_id:
         raise corrupt("its zstd frame needs a dictionary, which kvpack files never use")
-    window = 1 << max(10, (raw - 1).bit_length())  # a frame of `raw` bytes never needs a larger window
-    decompressors = {} if decompressors is None else decompressors
-    if window not in decompressors:
-        decompressors[window] = zstandard.ZstdDecompressor(max_window_size=window)
+    if decompressor is None:
+        decompressor = zstandard.ZstdDecompressor(max_window_size=1 << max(10, (raw - 1).bit_length()))
     try:
         # the frame declared exactly `raw` bytes (checked above), so this allocates `raw` bytes, no more
-        out = decompressors[window].decompress(data, max_output_size=raw, allow_extra_data=False)
+        out = decompressor.decompress(data, max_output_size=raw, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise corrupt(f"its zstd frame is damaged ({_short(exc)})") from None
     if len(out) != raw:
         raise corrupt(f"its zstd frame decompressed to {len(out)} bytes instead of {raw}")
-    plain = np.frombuffer(out, dtype=np.uint8)  # read-only view of the decompressed bytes
-    filt = info.codec.filter
-    if filt in (C.FILTER_SHUFFLE, C.FILTER_DELTA_SHUFFLE):
-        plain = plain.reshape(C.DTYPE_BY_CODE[info.dtype].itemsize, -1).T  # byte planes -> elements
-    plain = plain.copy()  # writable, C order: the elements' little-endian bytes
+    return memoryview(_unfiltered(out, info.codec.filter, C.DTYPE_BY_CODE[info.dtype].itemsize)).cast("B")
+
+
+def _unfiltered(out: bytes, filt: str, itemsize: int) -> np.ndarray:
+    """Undo ``filt`` on the decompressed bytes ``out``: a new, writable uint8 array of the elements' little-endian
+    bytes, ``[elements, itemsize]`` (``[bytes]`` for ``"none"``).
+
+    ``shuffle`` stored the ``[elements, itemsize]`` byte matrix transposed (byte planes); the planes are copied
+    back one column each (``itemsize`` strided copies, faster than a transposing copy, whose inner loop would run
+    over only ``itemsize`` bytes). ``delta_shuffle`` then takes the wrapping prefix sum of the int32 elements.
+    """
+    planes = np.frombuffer(out, dtype=np.uint8)  # read-only view of the decompressed bytes
+    if filt == C.FILTER_NONE:
+        return planes.copy()
+    planes = planes.reshape(itemsize, -1)
+    plain = np.empty((planes.shape[1], itemsize), dtype=np.uint8)
+    for i in range(itemsize):
+        plain[:, i] = planes[i]
     if filt == C.FILTER_DELTA_SHUFFLE:
         deltas = plain.view(np.uint32).reshape(-1)
-        np.cumsum(deltas, dtype=np.uint32, out=deltas)  # unsigned: wraps modulo 2**32, as the int32 two's complement encoder did
-    return memoryview(plain).cast("B")
+        # unsigned: wraps modulo 2**32, as the int32 two's complement encoder did
+        np.cumsum(deltas, dtype=np.uint32, out=deltas)
+    return plain
 
 
 def _entry_problem(entry: Any) -> str | None:
