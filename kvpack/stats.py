@@ -30,11 +30,12 @@ __all__ = ["AttentionRecorder", "column_sums", "window_sums", "visible_mask", "S
 SUM_BLOCK_ELEMENTS = 16 * 2**20
 
 
-def visible_mask(q_len: int, kv_len: int, window: int | None, device=None) -> torch.Tensor:
-    """``[q_len, kv_len]`` bool causal visibility of a prefill chunk: its queries are the last ``q_len`` of the
-    keys; query i sees key j when ``pos_j <= pos_i`` (and ``pos_i - pos_j < window`` for a sliding window)."""
+def visible_mask(q_len: int, kv_len: int, window: int | None, device=None, first: int = 0) -> torch.Tensor:
+    """``[q_len - first, kv_len]`` bool causal visibility of a prefill chunk's queries ``first ..`` (the chunk's
+    queries are the last ``q_len`` of the keys): query i sees key j when ``pos_j <= pos_i`` (and
+    ``pos_i - pos_j < window`` for a sliding window)."""
     kpos = torch.arange(kv_len, device=device)[None, :]
-    qpos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    qpos = torch.arange(kv_len - q_len + first, kv_len, device=device)[:, None]
     visible = kpos <= qpos
     if window is not None:
         visible &= (qpos - kpos) < window
@@ -182,6 +183,6 @@ class AttentionRecorder:
             self.column_sums[i][:, key_start : key_start + stop] += sums[:, :stop]
         if self.wants_window(layer_idx, q_start, q_len):
             first = max(0, self.window_start - q_start)
-            visible = visible_mask(q_len, kv_len, window, query.device)[first:]
+            visible = visible_mask(q_len, kv_len, window, query.device, first)
             sums = window_sums(query[:, :, first:], key, scaling, visible)
             self.window_sums[i][:, key_start : key_start + stop] += sums[:, :stop]

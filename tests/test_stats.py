@@ -104,3 +104,10 @@ def test_observed_question_is_recorded_but_not_cached():
         model.set_attn_implementation("sdpa")
     for i, a in enumerate(attn):
         torch.testing.assert_close(rec.window_sums[i], a[0, :, n:, :n].sum(1), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_visible_mask_of_the_last_queries_is_the_tail_of_the_full_mask(window):
+    full = visible_mask(13, 31, window)
+    for first in (0, 5, 12):
+        assert torch.equal(visible_mask(13, 31, window, first=first), full[first:])
