@@ -36,6 +36,8 @@ def main() -> None:
     ap.add_argument("--method", default="kvzip")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--chunk-size", type=int, default=2048, help="prefill and scoring chunk in tokens")
+    ap.add_argument("--quant", default="none", choices=["none", "int8", "int4"], help="as kvpack build --quant")
+    ap.add_argument("--zstd-level", type=int, default=0, help="as kvpack build --zstd-level (0: off)")
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
     model, tok = kvpack.load_model(args.model, device=args.device)
@@ -65,17 +67,18 @@ def main() -> None:
             rows["prefill"].append(timed(prefill)[0])
             rows["attention"].append(timed(attention)[0])
             t, pack = timed(lambda: kvpack.compress(model, tok, text, method=args.method, ratio=args.ratio,
-                                                     chunk_size=args.chunk_size))
+                                                     chunk_size=args.chunk_size, quant=args.quant))
             rows["build"].append(t)
             t, filled = timed(chunked_prefill)
             rows["chunked prefill"].append(t)
             rows["scoring"].append(timed(lambda: method.score(model, tok, filled))[0])
-            rows["save"].append(timed(lambda: kvpack.save(pack, path))[0])
+            rows["save"].append(timed(lambda: kvpack.save(pack, path, zstd_level=args.zstd_level))[0])
             rows["load"].append(timed(lambda: kvpack.load(path, model))[0])
         size = path.stat().st_size
     med = {k: statistics.median(v) for k, v in rows.items()}
     print(f"model {getattr(model, 'kvpack_name', '?')} on {model.device}, {ids.shape[1]} tokens, "
-          f"method {args.method}, ratio {args.ratio}, {args.repeats} repeats (medians)")
+          f"method {args.method}, ratio {args.ratio}, quant {args.quant}, zstd level {args.zstd_level}, "
+          f"{args.repeats} repeats (medians)")
     print("| step | median seconds | vs plain prefill |")
     print("|---|---|---|")
     labels = {"attention": "  of which attention (SDPA alone, every layer)", "chunked prefill": "  build: chunked prefill",
