@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .errors import InputError
 from .pack import LayerEntries, Pack
-from .quant import dequantize_bodies
+from .quant import dequantize_bodies, head_row_pieces
 
 __all__ = ["PackedLayer", "KvpackCache"]
 
@@ -211,10 +211,9 @@ def _laid_out_group(layers: list[LayerEntries], dt: torch.dtype, device: torch.d
     if layers[0].quant is not None:
         body_keys, body_values = dequantize_bodies([e.quant for e in layers])
         body_keys, body_values = body_keys.to(dt), body_values.to(dt)
-        sinks = [e.quant.sink_lengths.tolist() for e in layers]
         bodies = [e.quant.body_lengths.tolist() for e in layers]
     else:
-        sinks, bodies = lengths, [[0] * heads] * len(layers)
+        bodies = [[0] * heads] * len(layers)
     longest = [max(row) for row in lengths]
     most_pad = max(m - min(row) for m, row in zip(longest, lengths))
     pad_keys = torch.zeros(most_pad, d, dtype=dt)
@@ -222,28 +221,26 @@ def _laid_out_group(layers: list[LayerEntries], dt: torch.dtype, device: torch.d
     pad_positions = torch.full((most_pad,), -1, dtype=torch.int64)
     key_parts, value_parts, position_parts = [], [], []
     q = 0  # next body row (over all layers)
-    for l, (entries, ns, ss, bs, m) in enumerate(zip(layers, lengths, sinks, bodies, longest)):
-        keys, values, positions = entries.keys.to(dt), entries.values.to(dt), entries.positions
-        fp = sum(ns) - sum(bs)  # full-precision rows
-        if keys.shape[0] != fp or values.shape[0] != fp or positions.shape[0] != sum(ns) or (
-                body_keys is not None and entries.quant.key_codes.shape[0] != sum(bs)):
+    for l, (entries, ns, bs, m) in enumerate(zip(layers, lengths, bodies, longest)):
+        body = sum(bs)
+        fp = sum(ns) - body  # full-precision rows
+        if entries.keys.shape[0] != fp or entries.values.shape[0] != fp or entries.positions.shape[0] != sum(ns) or (
+                body_keys is not None and entries.quant.key_codes.shape[0] != body):
             raise InputError(f"layer {l} of the group: its tensors' rows do not match its head lengths {ns}")
-        fp = p = 0  # next full-precision row, next position of this layer
-        for n, s, b in zip(ns, ss, bs):
-            r = n - s - b
-            # (keys source, values source, first row, rows): sink, body and residual rows of this head
-            for src_k, src_v, a, rows in ((keys, values, fp, s), (body_keys, body_values, q, b),
-                                          (keys, values, fp + s, r)):
-                if rows:
-                    key_parts.append(src_k[a : a + rows])
-                    value_parts.append(src_v[a : a + rows])
+        layer_bodies = None if body_keys is None else (body_keys[q : q + body], body_values[q : q + body])
+        _, key_blocks, value_blocks = head_row_pieces(entries, dt, layer_bodies)
+        p = 0  # next position of this layer
+        for n, kb, vb in zip(ns, key_blocks, value_blocks):
+            key_parts += kb
+            value_parts += vb
             if n:
-                position_parts.append(positions[p : p + n])
+                position_parts.append(entries.positions[p : p + n])
             if n < m:
                 key_parts.append(pad_keys[: m - n])
                 value_parts.append(pad_values[: m - n])
                 position_parts.append(pad_positions[: m - n])
-            fp, q, p = fp + s + r, q + b, p + n
+            p += n
+        q += body
     total = heads * sum(longest)
     all_keys = torch.cat(key_parts) if key_parts else torch.empty(0, d, dtype=dt)
     all_values = torch.cat(value_parts) if value_parts else torch.empty(0, dv, dtype=dt)

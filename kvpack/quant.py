@@ -332,14 +332,17 @@ def quantize_layer(entries: LayerEntries, sink_tokens: int, qtype: str, group_si
                         entries.head_lengths, quant)
 
 
-def head_row_pieces(entries: LayerEntries, dtype: torch.dtype | None = None
+def head_row_pieces(entries: LayerEntries, dtype: torch.dtype | None = None,
+                    bodies: tuple[torch.Tensor, torch.Tensor] | None = None
                     ) -> tuple[list[int], list[list[torch.Tensor]], list[list[torch.Tensor]]]:
     """Each head's keys and values in full precision, as lists of row blocks to concatenate (no copy yet).
 
     For an unquantized layer head ``h`` is one block of ``keys`` / ``values``. For a quantized one it is up to three
     blocks in position order: its sink rows (full precision), its body rows (``dequantize_keys`` /
     ``dequantize_values``, float32) and its residual rows (full precision). Blocks are cast to ``dtype`` (default:
-    the dtype of ``entries.keys``); empty blocks are left out.
+    the dtype of ``entries.keys``); empty blocks are left out. ``bodies``: the layer's body rows already
+    dequantized, ``(keys [Q, head_dim], values [Q, head_dim_v])`` (e.g. its slice of ``dequantize_bodies``);
+    dequantized here when ``None``.
 
     Returns:
         ``(lengths, key_blocks, value_blocks)``: ``lengths[h]`` rows of head ``h`` (Python ints, ``kv_heads`` of
@@ -357,8 +360,10 @@ def head_row_pieces(entries: LayerEntries, dtype: torch.dtype | None = None
             value_blocks.append([values[start : start + n]] if n else [])
             start += n
         return lengths, key_blocks, value_blocks
-    body_keys = dequantize_keys(qr.key_codes, qr.key_scales, qr.key_mins, qr.qtype, qr.group_size).to(dt)
-    body_values = dequantize_values(qr.value_codes, qr.value_scales, qr.value_mins, qr.qtype, qr.group_size).to(dt)
+    if bodies is None:
+        bodies = (dequantize_keys(qr.key_codes, qr.key_scales, qr.key_mins, qr.qtype, qr.group_size),
+                  dequantize_values(qr.value_codes, qr.value_scales, qr.value_mins, qr.qtype, qr.group_size))
+    body_keys, body_values = bodies[0].to(dt), bodies[1].to(dt)
     key_blocks, value_blocks = [], []
     fp, q = 0, 0  # next full-precision row, next body row
     for n, s, b in zip(lengths, qr.sink_lengths.tolist(), qr.body_lengths.tolist()):

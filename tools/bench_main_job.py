@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpack  # noqa: E402
 from kvpack.bench.speed import causal_attention_alone, plain_prefill, timed  # noqa: E402
+from kvpack import constants as C  # noqa: E402
 from kvpack import tasks  # noqa: E402
 from kvpack.layout import chat_layout  # noqa: E402
 from kvpack.methods import get_method  # noqa: E402
@@ -36,7 +37,8 @@ def main() -> None:
     ap.add_argument("--method", default="kvzip")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--chunk-size", type=int, default=2048, help="prefill and scoring chunk in tokens")
-    ap.add_argument("--quant", default="none", choices=["none", "int8", "int4"], help="as kvpack build --quant")
+    ap.add_argument("--quant", default=C.QUANT_NONE, choices=[C.QUANT_NONE, *sorted(C.QUANT_TYPES)],
+                    help="as kvpack build --quant")
     ap.add_argument("--zstd-level", type=int, default=0, help="as kvpack build --zstd-level (0: off)")
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
