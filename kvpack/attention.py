@@ -121,7 +121,8 @@ def _attention_past_and_causal(query, key, value, past, scaling):
 
 
 def update_max_scores(scores, query, key, lse, scaling, hidden=None):
-    """Fold ``max`` over queries and GQA group of ``p = exp(q . k * scaling - lse)`` into ``scores``.
+    """Fold ``max`` over queries and GQA group of ``p = exp(q . k * scaling - lse)`` into ``scores`` (KVzip's
+    entry score, arXiv 2505.23416 §3.2, Eq. 2).
 
     Args:
         scores: ``[kv_heads, n]`` float32, updated in place for the first ``n`` keys.

@@ -226,7 +226,8 @@ def _laid_out_group(layers: list[LayerEntries], dt: torch.dtype, device: torch.d
         fp = sum(ns) - body  # full-precision rows
         if entries.keys.shape[0] != fp or entries.values.shape[0] != fp or entries.positions.shape[0] != sum(ns) or (
                 body_keys is not None and entries.quant.key_codes.shape[0] != body):
-            raise InputError(f"layer {l} of the group: its tensors' rows do not match its head lengths {ns}")
+            raise InputError(f"layer {l} of the group: its tensors' rows do not match its head lengths {ns}; "
+                             "build the pack again with kvpack.compress or load it from a file")
         layer_bodies = None if body_keys is None else (body_keys[q : q + body], body_values[q : q + body])
         _, key_blocks, value_blocks = head_row_pieces(entries, dt, layer_bodies)
         p = 0  # next position of this layer

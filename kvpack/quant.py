@@ -377,7 +377,8 @@ def head_row_pieces(entries: LayerEntries, dtype: torch.dtype | None = None,
 
 
 def dequantize_bodies(quants: list[QuantizedRows]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The body rows of several layers dequantized together: one ``dequantize_keys`` and one ``dequantize_values``.
+    """The body rows of several layers dequantized together: one ``dequantize_keys`` and one ``dequantize_values``
+    (KIVI layout, arXiv 2402.02750 §3; no errors raised beyond torch's for mismatched shapes).
 
     Args:
         quants: the layers' ``QuantizedRows``, all with the same ``qtype``, ``group_size`` and head sizes.
