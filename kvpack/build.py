@@ -250,12 +250,12 @@ def build(contexts: Iterable[Context], model, tokenizer, *, out_dir: str | os.Pa
           ratio: float = DEFAULT_RATIO, chunk_size: int = DEFAULT_CHUNK_SIZE, overwrite: bool = False,
           progress_factory: Callable[..., Any] | None = None, quant: str = C.QUANT_NONE,
           group_size: int = C.DEFAULT_GROUP_SIZE, zstd_level: int = C.DEFAULT_ZSTD_LEVEL,
-          **options) -> list[BuildResult]:
+          checksum: str = C.DEFAULT_CHECKSUM, **options) -> list[BuildResult]:
     """Compress every context with ``kvpack.compress`` and write ``<out_dir>/<name>.kvpack`` (atomically).
 
     An existing output file is kept (the context is skipped) when it is a valid pack (``verify``: every
     checksum) built from the same text (SHA-256) with the same method, method parameters, ratio, quantization
-    (type and group size) and zstd level, by the same model: the fingerprint's weights and tokenizer hashes,
+    (type and group size), zstd level and checksum algorithm, by the same model: the fingerprint's weights and tokenizer hashes,
     architecture, shapes, RoPE and KV dtype (not the path the model was loaded from). A damaged or unreadable
     existing file is rebuilt, not reported as an error. ``overwrite=True`` rebuilds everything. Contexts are built
     in order; an error stops the build, and the packs already written stay (a re-run skips them).
@@ -266,6 +266,7 @@ def build(contexts: Iterable[Context], model, tokenizer, *, out_dir: str | os.Pa
         out_dir: output folder, created if missing.
         method, ratio, chunk_size, quant, group_size, **options: as for ``kvpack.compress``.
         zstd_level: as for ``kvpack.save``, but 3 by default (as ``kvpack build``); 0 stores tensors raw.
+        checksum: the tensor checksum, ``"xxh3"`` (default) or ``"sha256"``, as for ``kvpack.save``.
         overwrite: rebuild even up-to-date files.
         progress_factory: called once, when at least one context is to be built, as
             ``progress_factory(total=T, initial=S)`` with ``T`` the tokens of all contexts and ``S`` those of the
@@ -276,14 +277,14 @@ def build(contexts: Iterable[Context], model, tokenizer, *, out_dir: str | os.Pa
         One ``BuildResult`` per context, in order.
 
     Raises:
-        InputError: bad method, option, ratio, chunk size, quantization or zstd level (checked before anything is
+        InputError: bad method, option, ratio, chunk size, quantization, zstd level or checksum (checked before anything is
             written); a context
             ``compress`` refuses (e.g. too long for the model); ``out_dir`` cannot be created or written.
         UnsupportedModelError: the model is not supported.
     """
     contexts = list(contexts)
     expected = _expected_settings(model, tokenizer, method, ratio, chunk_size, options)
-    expected.update(_storage_settings(model, quant, group_size, zstd_level))
+    expected.update(_storage_settings(model, quant, group_size, zstd_level, checksum))
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -321,7 +322,7 @@ def build(contexts: Iterable[Context], model, tokenizer, *, out_dir: str | os.Pa
             pack = compress(model, tokenizer, ctx.text, method=method, ratio=ratio, chunk_size=chunk_size,
                             source_name=ctx.source_name, progress=tracker, quant=quant, group_size=group_size,
                             **options)
-            written = save(pack, path, zstd_level=zstd_level)
+            written = save(pack, path, zstd_level=zstd_level, checksum=checksum)
             tracker.finish()
             results.append(BuildResult(ctx.name, path, pack.original_tokens, pack.kept_entries(), written,
                                        time.perf_counter() - t0, False))
@@ -343,8 +344,9 @@ def _expected_settings(model, tokenizer, method: str, ratio: float, chunk_size: 
             "ratio": float(scorer.kept_ratio(ratio)), "fingerprint": _comparable(fingerprint)}
 
 
-def _storage_settings(model, quant: str, group_size: int, zstd_level: int) -> dict:
-    """How an up-to-date pack is stored: ``quant`` (type, group size or None) and ``zstd_level``; validates them."""
+def _storage_settings(model, quant: str, group_size: int, zstd_level: int, checksum: str) -> dict:
+    """How an up-to-date pack is stored: ``quant`` (type, group size or None), ``zstd_level`` and ``checksum``;
+    validates them."""
     if quant != C.QUANT_NONE:
         spec = model_spec(model)
         check_quant_args(quant, group_size, spec.head_dim, spec.head_dim, allowed_group_sizes=C.GROUP_SIZES)
@@ -352,8 +354,10 @@ def _storage_settings(model, quant: str, group_size: int, zstd_level: int) -> di
             zstd_level == 0 or C.ZSTD_MIN_LEVEL <= zstd_level <= C.ZSTD_MAX_LEVEL):
         raise InputError(f"zstd_level must be 0 (off) or an integer in [{C.ZSTD_MIN_LEVEL}, {C.ZSTD_MAX_LEVEL}], "
                          f"got {zstd_level!r}")
+    if checksum not in C.CHECKSUMS:
+        raise InputError(f"checksum must be one of {', '.join(map(repr, C.CHECKSUMS))}, got {checksum!r}")
     return {"quant": (quant, group_size) if quant != C.QUANT_NONE else (C.QUANT_NONE, None),
-            "zstd_level": zstd_level}
+            "zstd_level": zstd_level, "checksum": checksum}
 
 
 def _comparable(fingerprint: Any) -> dict:
@@ -379,6 +383,8 @@ def _up_to_date(path: Path, text: str, expected: dict) -> PackHeader | None:
     if _comparable(meta.get("fingerprint")) != expected["fingerprint"]:
         return None
     if (header.quant_type, header.group_size) != expected["quant"] or header.zstd_level != expected["zstd_level"]:
+        return None
+    if header.checksum != expected["checksum"]:
         return None
     return header
 

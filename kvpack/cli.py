@@ -132,18 +132,20 @@ def _method_params(method: str, given: dict) -> dict:
 @click.option("--group-size", type=click.Choice([str(g) for g in C.GROUP_SIZES]), default=str(C.DEFAULT_GROUP_SIZE),
               show_default=True, help="Quantization group: tokens per key scale, channels per value scale.")
 @click.option("--zstd-level", type=click.IntRange(0, C.ZSTD_MAX_LEVEL), default=C.DEFAULT_ZSTD_LEVEL,
-              show_default=True, help="zstd-compress each tensor at this level (0: off; a level-0 unquantized "
-                                      "pack is a version-1 file).")
+              show_default=True, help="zstd-compress each tensor at this level (0: off).")
+@click.option("--checksum", type=click.Choice(C.CHECKSUMS), default=C.DEFAULT_CHECKSUM, show_default=True,
+              help="Tensor checksum: xxh3 (XXH3-128, fast to verify; detects damage, not tampering) or sha256 "
+                   "(cryptographic; with --quant none --zstd-level 0 the file is readable by kvpack 0.1).")
 @click.option("--overwrite", is_flag=True, help="Rebuild packs that are already up to date.")
 @_method_options
 def build(inputs, model_name, method, ratio, out_dir, device, dtype, chunk_size, quant, group_size, zstd_level,
-          overwrite, **method_options):
+          checksum, overwrite, **method_options):
     """Compress each document in INPUT... into <name>.kvpack.
 
     INPUT is .txt/.md files (one document each, named after the file), .jsonl files (one document per line:
     {"id": ..., "text": ...}, named <file>-<id> or <file>-<line>) or folders of them, walked recursively.
-    Packs that are already up to date (same text, method, parameters, ratio, quantization, zstd level and model)
-    are skipped.
+    Packs that are already up to date (same text, method, parameters, ratio, quantization, zstd level, checksum and
+    model) are skipped.
     The method options below apply to the methods named in their help; giving one to another method is an error.
     """
     from tqdm import tqdm
@@ -156,7 +158,7 @@ def build(inputs, model_name, method, ratio, out_dir, device, dtype, chunk_size,
                             file=sys.stderr, dynamic_ncols=True)
     results = build_packs(contexts, model, tokenizer, out_dir=out, method=method, ratio=ratio,
                           chunk_size=chunk_size, overwrite=overwrite, progress_factory=bar, quant=quant,
-                          group_size=int(group_size), zstd_level=zstd_level, **options)
+                          group_size=int(group_size), zstd_level=zstd_level, checksum=checksum, **options)
     rows = [(r.name, f"{r.tokens:,}", f"{r.entries_kept:,}", f"{r.bytes_written:,}", f"{r.seconds:.2f}",
              "skipped (up to date)" if r.skipped else "built") for r in results]
     click.echo(_table(("context", "tokens", "entries kept", "bytes", "seconds", "status"), rows,
@@ -185,7 +187,8 @@ def info(file):
     sliding = fp.get("sliding_layers") or []
     rows = [
         ("file", str(file)),
-        ("format", f"kvpack v{header.format_version}, {header.file_bytes:,} bytes"),
+        ("format", f"kvpack v{header.format_version}, {header.file_bytes:,} bytes, tensor checksums "
+                   f"{ {C.CHECKSUM_XXH3: 'XXH3-128', C.CHECKSUM_SHA256: 'SHA-256'}[header.checksum]}"),
         ("kvpack version", str(meta.get("kvpack_version", "?"))),
         ("model", str(fp.get("name") or "?")),
         ("  architecture", f"{fp.get('architecture', '?')} ({fp.get('model_type', '?')})"),

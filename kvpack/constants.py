@@ -29,6 +29,13 @@ __all__ = [
     "META_HEADER_SHA256",
     "META_KVPACK",
     "META_TENSOR_SHA256",
+    "META_TENSOR_XXH3",
+    "CHECKSUM_SHA256",
+    "CHECKSUM_XXH3",
+    "CHECKSUMS",
+    "DEFAULT_CHECKSUM",
+    "TENSOR_CHECKSUM_KEY",
+    "CHECKSUM_HEX_LENGTH",
     "METADATA_KEYS",
     "SINK_TOKENS_KEY",
     "INDEX_DTYPE",
@@ -56,6 +63,7 @@ __all__ = [
     "TEMP_FILE_MODE",
     "FORMAT_VERSION_PLAIN",
     "FORMAT_VERSION_V2",
+    "FORMAT_VERSION_V3",
     "META_QUANT",
     "META_TENSOR_CODECS",
     "METADATA_KEYS_V2",
@@ -97,14 +105,18 @@ __all__ = [
 #: Value of ``__metadata__["format"]``.
 FORMAT_NAME = "kvpack"
 #: The newest version this code writes (``__metadata__["format_version"]`` is its decimal string). A file
-#: declares the *lowest* version whose features it uses: ``FORMAT_VERSION_PLAIN`` without quantization and zstd.
-FORMAT_VERSION = 2
+#: declares the *lowest* version whose features it uses: ``FORMAT_VERSION_PLAIN`` without quantization, zstd
+#: and XXH3 checksums.
+FORMAT_VERSION = 3
 #: The newest version this code reads; newer files raise ``UnsupportedVersionError``.
-MAX_READABLE_VERSION = 2
+MAX_READABLE_VERSION = 3
 #: Version of a file with neither quantized layers nor encoded tensors (byte-identical to kvpack 0.1's files).
 FORMAT_VERSION_PLAIN = 1
 #: Version of a file that uses quantization (``META_QUANT``) or encoded tensors (``META_TENSOR_CODECS``).
 FORMAT_VERSION_V2 = 2
+#: Version of a file whose tensor checksums are XXH3-128 (``META_TENSOR_XXH3``) instead of SHA-256; it may also
+#: use the version-2 features.
+FORMAT_VERSION_V3 = 3
 #: Conventional file name suffix.
 FILE_SUFFIX = ".kvpack"
 
@@ -136,8 +148,12 @@ META_HEADER_SHA256 = "header_sha256"
 META_KVPACK = "kvpack"
 #: Canonical JSON string mapping every tensor name to the SHA-256 (hex) of its bytes.
 META_TENSOR_SHA256 = "tensor_sha256"
-#: The ``__metadata__`` keys every file has, in serialised order.
-METADATA_KEYS = (META_FORMAT, META_FORMAT_VERSION, META_HEADER_SHA256, META_KVPACK, META_TENSOR_SHA256)
+#: v3: canonical JSON string mapping every tensor name to the XXH3-128 (32 hex digits) of its bytes; a version-3
+#: file has this key instead of ``META_TENSOR_SHA256``.
+META_TENSOR_XXH3 = "tensor_xxh3"
+#: The ``__metadata__`` keys every file has, in serialised order (plus its tensor checksum key:
+#: ``TENSOR_CHECKSUM_KEY``).
+METADATA_KEYS = (META_FORMAT, META_FORMAT_VERSION, META_HEADER_SHA256, META_KVPACK)
 #: v2, optional: canonical JSON ``{"group_size": G, "type": "int8"|"int4"}``; present iff the layers are quantized.
 META_QUANT = "quant"
 #: v2, optional: canonical JSON mapping each encoded tensor's name to its ``CODEC_KEYS`` object; present iff at
@@ -153,6 +169,19 @@ INDEX_SHAPE = "shape"
 INDEX_OFFSETS = "data_offsets"
 INDEX_KEYS = (INDEX_OFFSETS, INDEX_DTYPE, INDEX_SHAPE)
 SHA256_HEX_LENGTH = 64
+
+# --- tensor checksums ------------------------------------------------------------------------------------------
+#: Tensor checksum algorithms: SHA-256 (versions 1 and 2; cryptographic, ~2 GB/s) and XXH3-128 (version 3;
+#: detects damage, not deliberate tampering, ~50 GB/s). The header checksum is always SHA-256.
+CHECKSUM_SHA256 = "sha256"
+CHECKSUM_XXH3 = "xxh3"
+CHECKSUMS = (CHECKSUM_XXH3, CHECKSUM_SHA256)
+#: What ``kvpack build`` and ``kvpack.save`` write unless told otherwise.
+DEFAULT_CHECKSUM = CHECKSUM_XXH3
+#: The ``__metadata__`` key holding the tensor checksums of each algorithm.
+TENSOR_CHECKSUM_KEY = {CHECKSUM_SHA256: META_TENSOR_SHA256, CHECKSUM_XXH3: META_TENSOR_XXH3}
+#: Lowercase hex digits of one tensor checksum of each algorithm.
+CHECKSUM_HEX_LENGTH = {CHECKSUM_SHA256: 64, CHECKSUM_XXH3: 32}
 
 # --- tensors ---------------------------------------------------------------------------------------------------
 TOKEN_IDS = "token_ids"

@@ -4,9 +4,11 @@ Writing is deterministic (the same ``Pack`` and settings always give the same by
 length, offset, shape and checksum before any tensor is handed out, and every failure is a ``PackFormatError``
 subclass (or ``InputError`` for a path that cannot be read) whose message names the file, the problem and the fix.
 
-A file is version 1 unless it uses a version-2 feature: quantized layers (``kvpack.quant``) or zstd-compressed
-tensors (``save(..., zstd_level=N)``). Compressed tensors are decoded only after their SHA-256 matched and their
-zstd frame declared exactly the size the header records, so a damaged or hostile frame never allocates more.
+A file declares the lowest version whose features it uses: version 3 when its tensor checksums are XXH3-128 (the
+default: ``save(..., checksum="xxh3")``); otherwise (SHA-256 tensor checksums) version 2 when it has quantized
+layers (``kvpack.quant``) or zstd-compressed tensors (``save(..., zstd_level=N)``), else version 1. Compressed
+tensors are decoded only after their checksum matched and their zstd frame declared exactly the size the header
+records, so a damaged or hostile frame never allocates more.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any, Union
 
 import numpy as np
 import torch
+import xxhash
 import zstandard
 
 from kvpack import constants as C
@@ -99,13 +102,15 @@ class PackHeader:
     """The validated header of a ``.kvpack`` file (what ``read_header`` and ``verify`` return).
 
     Attributes:
-        format_version: the file's format version: 1, or 2 when it uses quantization or zstd.
+        format_version: the file's format version: 3 with XXH3-128 tensor checksums; with SHA-256 ones, 2 when it
+            uses quantization or zstd, else 1.
         metadata: the kvpack metadata: ``Pack.metadata`` plus ``"sink_tokens"``.
         tensors: tensor name -> ``TensorInfo``, in data order.
         header_bytes: bytes before the data buffer (8-byte length prefix + padded JSON header).
         file_bytes: size of the whole file in bytes.
         quant_type: ``"none"``, ``"int8"`` or ``"int4"``.
         group_size: the quantization group size ``G``, or ``None`` when not quantized.
+        checksum: the tensor checksum algorithm, ``"xxh3"`` (version 3) or ``"sha256"`` (versions 1 and 2).
     """
 
     format_version: int
@@ -115,6 +120,7 @@ class PackHeader:
     file_bytes: int
     quant_type: str = C.QUANT_NONE
     group_size: int | None = None
+    checksum: str = C.CHECKSUM_SHA256
 
     @property
     def zstd_level(self) -> int:
@@ -159,8 +165,9 @@ class PackHeader:
 # writing
 
 
-def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL) -> bytes:
-    """Serialise ``pack`` to the bytes of a ``.kvpack`` file (deterministic: same pack and level, same bytes).
+def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
+                  checksum: str = C.DEFAULT_CHECKSUM) -> bytes:
+    """Serialise ``pack`` to the bytes of a ``.kvpack`` file (deterministic: same pack and settings, same bytes).
 
     ``token_ids``, ``head_lengths`` and ``positions`` are stored as int32; keys and values keep their dtype
     (float32, float16 or bfloat16); a quantized pack adds its codes (uint8), scales and mins (float16) per layer.
@@ -171,12 +178,17 @@ def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL) -> by
         zstd_level: 0 (default) stores every tensor raw; 1..22 stores every non-empty tensor as one zstd frame of
             that level (after a byte shuffle, and a delta for positions; ``format/SPEC.md`` section 5.5). The
             compressed bytes depend on the zstd library's version; decoding does not.
+        checksum: the tensor checksum, ``"xxh3"`` (default: XXH3-128, ~40x faster to verify than SHA-256, detects
+            damage but not deliberate tampering) or ``"sha256"`` (cryptographic; readable by kvpack 0.1). The
+            header's own checksum is SHA-256 either way.
 
-    The file is format version 1 if the pack is not quantized and ``zstd_level`` is 0, else version 2.
+    The file is format version 3 with ``checksum="xxh3"``; with ``"sha256"`` it is version 1 if the pack is not
+    quantized and ``zstd_level`` is 0, else version 2.
 
     Raises:
         InputError: the pack is inconsistent (see ``load_pack`` for the rules), has a dtype the format cannot
-            hold, or its metadata is not plain JSON (or already has a ``sink_tokens`` key); a bad ``zstd_level``.
+            hold, or its metadata is not plain JSON (or already has a ``sink_tokens`` key); a bad ``zstd_level``
+            or ``checksum``.
     """
     problem = _pack_problem(pack)
     if problem is None and not isinstance(pack.metadata, dict):
@@ -189,6 +201,8 @@ def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL) -> by
             zstd_level == 0 or C.ZSTD_MIN_LEVEL <= zstd_level <= C.ZSTD_MAX_LEVEL):
         raise InputError(f"zstd_level must be 0 (off) or an integer in [{C.ZSTD_MIN_LEVEL}, {C.ZSTD_MAX_LEVEL}], "
                          f"got {zstd_level!r}")
+    if checksum not in C.CHECKSUMS:
+        raise InputError(f"checksum must be one of {', '.join(map(repr, C.CHECKSUMS))}, got {checksum!r}")
     try:
         kvpack_json = json.dumps({**pack.metadata, C.SINK_TOKENS_KEY: pack.sink_tokens}, **C.JSON_DUMPS_KWARGS)
     except (TypeError, ValueError) as exc:
@@ -229,12 +243,16 @@ def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL) -> by
         blobs.append((name, blob))
         end += len(blob)
 
-    v2 = quant is not None or bool(codecs)
+    if checksum == C.CHECKSUM_XXH3:
+        version = C.FORMAT_VERSION_V3
+    else:
+        version = C.FORMAT_VERSION_V2 if quant is not None or codecs else C.FORMAT_VERSION_PLAIN
+    digest = _DIGESTS[checksum]
     meta = {
         C.META_FORMAT: C.FORMAT_NAME,
-        C.META_FORMAT_VERSION: str(C.FORMAT_VERSION_V2 if v2 else C.FORMAT_VERSION_PLAIN),
+        C.META_FORMAT_VERSION: str(version),
         C.META_KVPACK: kvpack_json,
-        C.META_TENSOR_SHA256: json.dumps({n: _sha256(b) for n, b in blobs}, **C.JSON_DUMPS_KWARGS),
+        C.TENSOR_CHECKSUM_KEY[checksum]: json.dumps({n: digest(b) for n, b in blobs}, **C.JSON_DUMPS_KWARGS),
     }
     if quant is not None:
         meta[C.META_QUANT] = json.dumps({"group_size": quant.group_size, "type": quant.qtype}, **C.JSON_DUMPS_KWARGS)
@@ -248,12 +266,14 @@ def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL) -> by
     return len(text).to_bytes(C.LENGTH_PREFIX_BYTES, "little") + text + b"".join(b for _, b in blobs)
 
 
-def save(pack: Pack, path: str | os.PathLike, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL) -> int:
+def save(pack: Pack, path: str | os.PathLike, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
+         checksum: str = C.DEFAULT_CHECKSUM) -> int:
     """Write ``pack`` to ``path`` atomically and return the number of bytes written.
 
-    ``zstd_level`` (default 0: off, so an unquantized pack gives a version-1 file that every kvpack and plain
-    safetensors tools read tensor by tensor) compresses each tensor with zstd at that level (1..22; ``kvpack
-    build`` uses 3); see ``pack_to_bytes``.
+    ``zstd_level`` (default 0: off, so an unquantized pack gives a file that plain safetensors tools read tensor
+    by tensor) compresses each tensor with zstd at that level (1..22; ``kvpack build`` uses 3); ``checksum``
+    (default ``"xxh3"``; ``"sha256"`` for a file kvpack 0.1 can read when it uses no other new feature) picks the
+    tensor checksum; see ``pack_to_bytes``.
 
     The bytes go to ``<path>.tmp.<pid>.<random>`` in the same folder, are flushed and fsynced, and the temporary
     file is then renamed over ``path`` with ``os.replace``. On any error the temporary file is removed and an
@@ -263,7 +283,7 @@ def save(pack: Pack, path: str | os.PathLike, zstd_level: int = C.SAVE_DEFAULT_Z
         InputError: the pack cannot be written (see ``pack_to_bytes``) or the file cannot be created
             (missing folder, no permission, disk full).
     """
-    data = pack_to_bytes(pack, zstd_level)
+    data = pack_to_bytes(pack, zstd_level, checksum)
     try:
         target = os.fspath(path)
     except TypeError as exc:
@@ -334,7 +354,8 @@ def load_pack(source: Source) -> Pack:
         NotAKvpackFileError: no kvpack magic: some other file.
         CorruptFileError: malformed or inconsistent header, index, layout, metadata or tensor contents
             (head lengths, positions), or trailing bytes.
-        ChecksumMismatchError: the header or a tensor does not match its SHA-256.
+        ChecksumMismatchError: the header or a tensor does not match its checksum (SHA-256; XXH3-128 for the
+            tensors of a version-3 file).
         UnsupportedVersionError: the file's format version is newer than this kvpack reads.
     """
     return _load(source)[1]
@@ -412,12 +433,13 @@ def _load(source: Source) -> tuple[PackHeader, Pack]:
     with _Source(source) as src:
         header, sums = _parse_header(src)
         data = memoryview(src.read_into_buffer(header.header_bytes, header.file_bytes - header.header_bytes))
+    digest = _DIGESTS[header.checksum]
     for name, info in header.tensors.items():
         b, e = info.offsets
-        if _sha256(data[b:e]) != sums[name]:
+        if digest(data[b:e]) != sums[name]:
             section = name.rsplit(".", 1)[-1]
             raise ChecksumMismatchError(
-                f"{src.name}: section {section!r} (tensor {name!r}) does not match its SHA-256: "
+                f"{src.name}: section {section!r} (tensor {name!r}) does not match its {_ALGO_NAME[header.checksum]}: "
                 f"the file was altered or damaged; {_RECOPY}"
             )
     decompressor = _decompressor(header)
@@ -566,9 +588,14 @@ def _parse_header(src: _Source) -> tuple[PackHeader, dict[str, str]]:
             f"{name} uses kvpack file format version {version}, but this kvpack reads versions up to "
             f"{C.MAX_READABLE_VERSION}; {_UPGRADE}"
         )
-    missing = [k for k in C.METADATA_KEYS if k not in meta]
+    checksum = C.CHECKSUM_XXH3 if version >= C.FORMAT_VERSION_V3 else C.CHECKSUM_SHA256
+    sums_key = C.TENSOR_CHECKSUM_KEY[checksum]
+    missing = [k for k in C.METADATA_KEYS + (sums_key,) if k not in meta]
     if missing:
         raise corrupt(f"{C.METADATA_KEY!r} lacks {missing[0]!r}")
+    other = [k for k in C.TENSOR_CHECKSUM_KEY.values() if k != sums_key and k in meta]
+    if other:
+        raise corrupt(f"a version-{version} file keeps its tensor checksums in {sums_key!r}, not {other[0]!r}")
     features = [k for k in C.METADATA_KEYS_V2 if k in meta]
     if version < C.FORMAT_VERSION_V2 and features:
         raise corrupt(f"a version-{version} file cannot have {features[0]!r} (a version-{C.FORMAT_VERSION_V2} feature)")
@@ -650,7 +677,7 @@ def _parse_header(src: _Source) -> tuple[PackHeader, dict[str, str]]:
     # 5. kvpack metadata and tensor checksums
     try:
         kv = json.loads(meta[C.META_KVPACK], object_pairs_hook=_unique_keys, parse_constant=_no_constant)
-        sums = json.loads(meta[C.META_TENSOR_SHA256], object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        sums = json.loads(meta[sums_key], object_pairs_hook=_unique_keys, parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:
         raise corrupt(f"a JSON string in {C.METADATA_KEY!r} does not parse ({_short(exc)})") from None
     if not isinstance(kv, dict):
@@ -659,9 +686,11 @@ def _parse_header(src: _Source) -> tuple[PackHeader, dict[str, str]]:
     tokens = tensors[C.TOKEN_IDS].shape[0]
     if type(sink) is not int or not 0 <= sink <= tokens:
         raise corrupt(f"{C.SINK_TOKENS_KEY!r} is missing or not an integer in [0, {tokens}] (the number of tokens)")
-    if not isinstance(sums, dict) or set(sums) != set(tensors) or not all(map(_is_sha256, sums.values())):
-        raise corrupt(f"{C.META_TENSOR_SHA256!r} must map exactly the tensor names to lowercase hex SHA-256s")
-    header = PackHeader(version, kv, tensors, C.LENGTH_PREFIX_BYTES + n, size, quant_type, group_size)
+    pattern = _HEX_DIGEST[checksum]
+    if (not isinstance(sums, dict) or set(sums) != set(tensors)
+            or not all(isinstance(x, str) and pattern.fullmatch(x) for x in sums.values())):
+        raise corrupt(f"{sums_key!r} must map exactly the tensor names to lowercase hex {_ALGO_NAME[checksum]}s")
+    header = PackHeader(version, kv, tensors, C.LENGTH_PREFIX_BYTES + n, size, quant_type, group_size, checksum)
     return header, sums
 
 
@@ -1013,6 +1042,10 @@ def _is_int_tensor(x: Any) -> bool:
 
 
 _SHA256_HEX = re.compile(f"[0-9a-f]{{{C.SHA256_HEX_LENGTH}}}")
+#: Tensor checksum algorithm -> hex digest function, the pattern of its digest, and its name in messages.
+_DIGESTS = {C.CHECKSUM_SHA256: lambda data: hashlib.sha256(data).hexdigest(), C.CHECKSUM_XXH3: xxhash.xxh3_128_hexdigest}
+_HEX_DIGEST = {a: re.compile(f"[0-9a-f]{{{n}}}") for a, n in C.CHECKSUM_HEX_LENGTH.items()}
+_ALGO_NAME = {C.CHECKSUM_SHA256: "SHA-256", C.CHECKSUM_XXH3: "XXH3-128"}
 
 
 def _is_sha256(x: Any) -> bool:

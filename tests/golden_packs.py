@@ -7,7 +7,8 @@ Regenerate the golden files (only after an intended format change, then review t
 Every value is exactly representable in float16 and bfloat16, so no rounding depends on the platform.
 
 ``GOLDEN`` holds the version-1 files (plain tensors); ``GOLDEN_V2`` the version-2 ones (quantized with the
-reference codec ``kvpack.quant``, and/or zstd-compressed). zstd's output depends on the zstd library, so the
+reference codec ``kvpack.quant``, and/or zstd-compressed); both use SHA-256 tensor checksums
+(``checksum="sha256"``). ``GOLDEN_V3`` holds version-3 files (XXH3-128 tensor checksums, the writer's default). zstd's output depends on the zstd library, so the
 exact bytes of the zstd files are pinned for ``GOLDEN_ZSTD_LIBRARY`` only (reading them works with any).
 """
 
@@ -157,6 +158,12 @@ GOLDEN_V2 = {
     "small_int4_zstd.kvpack": (golden_int4, 3),
 }
 
+#: Version-3 golden file name -> (the Pack it holds, the zstd level it is saved with); XXH3-128 tensor checksums.
+GOLDEN_V3 = {
+    "small_f32_xxh3.kvpack": (golden_f32, 0),
+    "small_int4_zstd_xxh3.kvpack": (golden_int4, 3),
+}
+
 #: ``zstandard.ZSTD_VERSION`` of the zstd library that wrote the zstd golden files.
 GOLDEN_ZSTD_LIBRARY = (1, 5, 7)
 
@@ -166,9 +173,12 @@ def regenerate(folder: Path = GOLDEN_DIR) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, make in GOLDEN.items():
-        save(make(), folder / name)
+        save(make(), folder / name, checksum="sha256")
         paths.append(folder / name)
     for name, (make, level) in GOLDEN_V2.items():
+        save(make(), folder / name, zstd_level=level, checksum="sha256")
+        paths.append(folder / name)
+    for name, (make, level) in GOLDEN_V3.items():
         save(make(), folder / name, zstd_level=level)
         paths.append(folder / name)
     return paths

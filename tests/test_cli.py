@@ -100,7 +100,7 @@ def test_build_skips_up_to_date_packs_and_rebuilds_on_new_settings(built, models
 def test_info_describes_the_pack(built):
     _, packs = built
     out = _run(["info", str(packs / "alpha.kvpack")]).stdout
-    for pattern in (r"format\s+kvpack v2", r"(?m)quantization\s+none$",
+    for pattern in (r"format\s+kvpack v3, [\d,]+ bytes, tensor checksums XXH3-128", r"(?m)quantization\s+none$",
                     r"zstd\s+level 3: [\d,]+ bytes on disk, [\d,]+ decoded",
                     r"method\s+kvzip \(chunk_size=64, tail_tokens=8\)", r"ratio\s+0\.3",
                     r"architecture\s+LlamaForCausalLM", r"heads\s+4 query, 2 KV", r"head dim\s+16",
@@ -128,7 +128,7 @@ def test_verify_accepts_a_good_file_and_rejects_a_bit_flip(built, models, tmp_pa
     data[len(data) // 2 + 100] ^= 0x01
     bad.write_bytes(bytes(data))
     res = _run(["verify", str(bad)], code=1)
-    assert res.stderr.startswith("error: ") and "SHA-256" in res.stderr
+    assert res.stderr.startswith("error: ") and "XXH3-128" in res.stderr
     res = _run(["info", str(bad)], code=1)
     assert res.stderr.startswith("error: ")
 
@@ -234,11 +234,14 @@ def test_build_quantized_packs_and_info_shows_quantization_and_errors(models, tm
     (tmp_path / "alpha.txt").write_text(TEXT * 3, encoding="utf-8")  # long enough for several groups per head
     base = ["build", str(tmp_path / "alpha.txt"), "--model", models["llama"], "--device", "cpu", "--chunk-size",
             "64", "--ratio", "1.0", "--out", str(out)]
-    _run(base + ["--zstd-level", "0"])
+    _run(base + ["--zstd-level", "0", "--checksum", "sha256"])
+    info = _run(["info", str(out / "alpha.kvpack")]).stdout
+    assert re.search(r"format\s+kvpack v1, [\d,]+ bytes, tensor checksums SHA-256", info)
+    assert _status(_run(base + ["--zstd-level", "0"])) == {"alpha": "built"}  # another checksum: rebuilt
     plain = (out / "alpha.kvpack").stat().st_size
     info = _run(["info", str(out / "alpha.kvpack")]).stdout
-    assert re.search(r"format\s+kvpack v1", info) and re.search(r"zstd\s+off$", info, re.M)
-    assert "quantization error per layer" not in info
+    assert re.search(r"format\s+kvpack v3, [\d,]+ bytes, tensor checksums XXH3-128", info)
+    assert re.search(r"zstd\s+off$", info, re.M) and "quantization error per layer" not in info
 
     assert _status(_run(base + ["--quant", "int4"])) == {"alpha": "built"}  # quantization is a new setting
     assert _status(_run(base + ["--quant", "int4"])) == {"alpha": "skipped (up to date)"}
@@ -246,7 +249,7 @@ def test_build_quantized_packs_and_info_shows_quantization_and_errors(models, tm
     assert _status(_run(base + ["--quant", "int4", "--group-size", "64", "--zstd-level", "5"])) == {"alpha": "built"}
     assert (out / "alpha.kvpack").stat().st_size < plain / 3
     info = _run(["info", str(out / "alpha.kvpack")]).stdout
-    assert re.search(r"format\s+kvpack v2", info) and re.search(r"zstd\s+level 5: ", info)
+    assert re.search(r"format\s+kvpack v3, ", info) and re.search(r"zstd\s+level 5: ", info)
     assert re.search(r"quantization\s+int4, group size 64 ", info)
     rows = re.findall(r"^\s+(\d)\s+([\d.e-]+)\s+([\d.e-]+)\s+([\d.e-]+)\s+([\d.e-]+)\s+([\d.]+)%$", info, re.M)
     assert [r[0] for r in rows] == ["0", "1"], info

@@ -8,6 +8,7 @@ import json
 import pytest
 import safetensors
 import torch
+import xxhash
 import zstandard
 
 from kvpack import constants as C
@@ -16,7 +17,7 @@ from kvpack.fileformat import load_pack, pack_to_bytes, read_header, save, verif
 from kvpack.pack import Pack
 from kvpack.quant import quantize_pack
 
-from .golden_packs import GOLDEN, GOLDEN_DIR, GOLDEN_V2, GOLDEN_ZSTD_LIBRARY, golden_f32, golden_int4
+from .golden_packs import GOLDEN, GOLDEN_DIR, GOLDEN_V2, GOLDEN_V3, GOLDEN_ZSTD_LIBRARY, golden_f32, golden_int4
 from .test_fileformat import random_pack
 
 QUANT_FIELDS = ("qtype", "group_size", "sink_lengths", "body_lengths", *C.QUANT_PARTS)
@@ -54,13 +55,47 @@ def test_writer_reproduces_v2_golden_bytes(name):
     if level and _zstd_library_differs():
         pytest.skip(f"zstd {zstandard.ZSTD_VERSION} compresses differently from {GOLDEN_ZSTD_LIBRARY}; "
                     "reading is still tested")
+    assert pack_to_bytes(make(), level, "sha256") == (GOLDEN_DIR / name).read_bytes()
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_V3))
+def test_writer_reproduces_v3_golden_bytes(name):
+    make, level = GOLDEN_V3[name]
+    if level and _zstd_library_differs():
+        pytest.skip(f"zstd {zstandard.ZSTD_VERSION} compresses differently from {GOLDEN_ZSTD_LIBRARY}; "
+                    "reading is still tested")
     assert pack_to_bytes(make(), level) == (GOLDEN_DIR / name).read_bytes()
 
 
-@pytest.mark.parametrize("name", sorted(GOLDEN_V2))
-def test_v2_golden_loads_to_constructed_pack(name):
-    make, _ = GOLDEN_V2[name]
+@pytest.mark.parametrize("name", sorted(GOLDEN_V2) + sorted(GOLDEN_V3))
+def test_v2_v3_golden_loads_to_constructed_pack(name):
+    make, _ = {**GOLDEN_V2, **GOLDEN_V3}[name]
     assert_packs_equal(load_pack(GOLDEN_DIR / name), make())
+
+
+def test_v3_differs_from_its_sha256_twin_only_in_version_and_tensor_checksums():
+    """The XXH3-128 of each tensor's stored bytes (computed here with xxhash directly) is what the file records."""
+    for v3_name, v2_name in (("small_f32_xxh3.kvpack", "small_f32.kvpack"),
+                             ("small_int4_zstd_xxh3.kvpack", "small_int4_zstd.kvpack")):
+        data3, data2 = (GOLDEN_DIR / v3_name).read_bytes(), (GOLDEN_DIR / v2_name).read_bytes()
+        (h3, b3), (h2, b2) = _split(data3), _split(data2)
+        m3, m2 = h3.pop("__metadata__"), h2.pop("__metadata__")
+        assert h3 == h2 and b3 == b2  # same index, same stored bytes
+        assert m3["format_version"] == "3" and "tensor_sha256" not in m3 and "tensor_xxh3" not in m2
+        sums = json.loads(m3["tensor_xxh3"])
+        assert set(sums) == set(h3)
+        for name, entry in h3.items():
+            b, e = entry["data_offsets"]
+            assert sums[name] == xxhash.xxh3_128(b3[b:e]).hexdigest() and len(sums[name]) == 32
+        same = {k for k in m3 if k not in ("format_version", "tensor_xxh3", "header_sha256")}
+        assert {k: m3[k] for k in same} == {k: m2[k] for k in same if k in m2} and same == set(m2) - {
+            "format_version", "tensor_sha256", "header_sha256"}
+        assert read_header(data3).checksum == "xxh3" and read_header(data2).checksum == "sha256"
+
+
+def _split(data: bytes) -> tuple[dict, bytes]:
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
 
 
 def test_v2_golden_headers():
@@ -129,16 +164,24 @@ def test_safetensors_can_open_v2(name):
 
 def test_a_file_declares_the_lowest_version_it_needs():
     for name, make in GOLDEN.items():
-        assert read_header(pack_to_bytes(make())).format_version == 1
-        assert pack_to_bytes(make(), 0) == (GOLDEN_DIR / name).read_bytes()
-    assert read_header(pack_to_bytes(golden_f32(), 1)).format_version == 2
-    assert read_header(pack_to_bytes(golden_int4(), 0)).format_version == 2
+        assert read_header(pack_to_bytes(make(), checksum="sha256")).format_version == 1
+        assert pack_to_bytes(make(), 0, "sha256") == (GOLDEN_DIR / name).read_bytes()
+        assert read_header(pack_to_bytes(make())).format_version == 3  # XXH3 checksums (the default)
+    assert read_header(pack_to_bytes(golden_f32(), 1, "sha256")).format_version == 2
+    assert read_header(pack_to_bytes(golden_int4(), 0, "sha256")).format_version == 2
+    assert read_header(pack_to_bytes(golden_int4(), 3)).format_version == 3
 
 
-def test_save_defaults_to_no_zstd(tmp_path):
+@pytest.mark.parametrize("checksum", ["md5", "SHA256", None, 3])
+def test_bad_checksum_is_input_error(checksum):
+    with pytest.raises(InputError, match="checksum must be one of 'xxh3', 'sha256'"):
+        pack_to_bytes(golden_f32(), 0, checksum)
+
+
+def test_save_defaults_to_no_zstd_and_xxh3(tmp_path):
     path = tmp_path / "a.kvpack"
     save(golden_f32(), path)
-    assert path.read_bytes() == (GOLDEN_DIR / "small_f32.kvpack").read_bytes()
+    assert path.read_bytes() == (GOLDEN_DIR / "small_f32_xxh3.kvpack").read_bytes()
     n = save(golden_f32(), path, zstd_level=3)
     assert n == path.stat().st_size and read_header(path).zstd_level == 3
 
@@ -149,18 +192,23 @@ def test_save_defaults_to_no_zstd(tmp_path):
 HEADS = [[40, 0, 3, 70], [33, 2, 3, 4], [0, 0, 0, 0], [64, 64, 1, 31]]
 
 
+@pytest.mark.parametrize("checksum", ["xxh3", "sha256"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("level", [0, 1, 3, 19])
 @pytest.mark.parametrize("qtype", ["none", "int8", "int4"])
-def test_round_trip(dtype, level, qtype):
+def test_round_trip(dtype, level, qtype, checksum):
     pack = random_pack(dtype, HEADS, head_dim=8, head_dim_v=8, tokens=90)
     if qtype != "none":
         pack = quantize_pack(pack, qtype, 32)
-    data = pack_to_bytes(pack, level)
+    data = pack_to_bytes(pack, level, checksum)
     assert_packs_equal(load_pack(data), pack)
-    assert pack_to_bytes(load_pack(data), level) == data
+    assert pack_to_bytes(load_pack(data), level, checksum) == data
     header = read_header(data)
-    assert header.format_version == (1 if qtype == "none" and level == 0 else 2)
+    assert header.checksum == checksum
+    if checksum == "xxh3":
+        assert header.format_version == 3
+    else:
+        assert header.format_version == (1 if qtype == "none" and level == 0 else 2)
     assert header.zstd_level == level and header.quant_type == qtype
     if level:  # zero-size tensors stay raw, every other one is one frame
         encoded = {n for n, t in header.tensors.items() if t.codec is not None}

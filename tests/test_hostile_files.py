@@ -1,7 +1,7 @@
 """Hostile and damaged .kvpack files, all derived from a golden file: each must raise its specific PackFormatError.
 
-Forged files are re-signed with the spec's rules (canonical JSON, SHA-256) written out here independently of
-the reader, so that the check under test, not a checksum, is what fires.
+Forged files are re-signed with the spec's rules (canonical JSON, SHA-256; XXH3-128 for version-3 tensor checksums)
+written out here independently of the reader, so that the check under test, not a checksum, is what fires.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import tracemalloc
 import pytest
 import safetensors.torch
 import torch
+import xxhash
 import zstandard
 
 from kvpack import constants as C
@@ -339,9 +340,49 @@ CASES = {
     "positions repeated": (forge(tensors={"layers.1.positions": i32(0, 1, 2, 2, 5)}), X),
     "negative token id": (forge(tensors={"token_ids": i32(1, 5, 9, 300, -7, 2, 0, 1)}), X),
 }
+
+# --- version 3: XXH3-128 tensor checksums (re-signed with xxhash directly, not through the reader) ----------------
+GOLD3 = (GOLDEN_DIR / "small_f32_xxh3.kvpack").read_bytes()
+
+
+def forge3(edit_header=None, tensors: dict[str, bytes] | None = None) -> bytes:
+    """``forge`` for the version-3 golden file: replaced tensors get their XXH3-128 recomputed."""
+    obj, buf = split(GOLD3)
+    buf = bytearray(buf)
+    sums = json.loads(obj["__metadata__"]["tensor_xxh3"])
+    for name, data in (tensors or {}).items():
+        b, e = obj[name]["data_offsets"]
+        buf[b:e] = data
+        sums[name] = xxhash.xxh3_128_hexdigest(data)
+    obj["__metadata__"]["tensor_xxh3"] = canon(sums).decode()
+    if edit_header is not None:
+        edit_header(obj)
+    return assemble(obj, bytes(buf))
+
+
+def _sha256_sums_of(data: bytes) -> str:
+    obj, buf = split(data)
+    return canon({n: sha(buf[e["data_offsets"][0] : e["data_offsets"][1]]) for n, e in obj.items()
+                  if n != "__metadata__"}).decode()
+
+
+CASES_V3 = {
+    "v3 tensor checksum mismatch": (GOLD3[:-1] + bytes([GOLD3[-1] ^ 1]), ChecksumMismatchError),
+    "v3 labelled v1 keeps tensor_xxh3": (forge3(set_meta("format_version", "1")), X),
+    "v3 labelled v2 keeps tensor_xxh3": (forge3(set_meta("format_version", "2")), X),
+    "v3 with sha256 sums only": (forge3(lambda o: o["__metadata__"].update(
+        tensor_sha256=o["__metadata__"].pop("tensor_xxh3"))), X),
+    "v3 with both checksum keys": (forge3(set_meta("tensor_sha256", _sha256_sums_of(GOLD3))), X),
+    "v1 labelled v3 (no tensor_xxh3)": (forge(set_meta("format_version", "3")), X),
+    "v3 xxh3 digest too short": (forge3(lambda o: o["__metadata__"].update(tensor_xxh3=canon({
+        k: v[:-1] for k, v in json.loads(o["__metadata__"]["tensor_xxh3"]).items()}).decode())), X),
+    "v3 xxh3 digest is a sha256": (forge3(set_meta("tensor_xxh3", _sha256_sums_of(GOLD3))), X),
+    "v3 positions decreasing": (forge3(tensors={"layers.0.positions": i32(0, 4, 1, 6, 0, 1, 7)}), X),
+}
 # Checks that need the tensor data: read_header does not see these problems.
 CASES.update(CASES_V2)
-DATA_LEVEL = DATA_LEVEL_V2 | {
+CASES.update(CASES_V3)
+DATA_LEVEL = DATA_LEVEL_V2 | {"v3 tensor checksum mismatch", "v3 positions decreasing"} | {
     "tensor checksum mismatch",
     "head_lengths not summing",
     "head_lengths negative",
@@ -383,7 +424,12 @@ def test_hostile_file_on_disk_names_the_file(tmp_path, case):
 
 
 def test_forge_without_changes_is_the_golden_file():
-    assert forge() == GOLD
+    assert forge() == GOLD and forge3() == GOLD3
+
+
+def test_v3_checksum_error_names_the_algorithm_and_section():
+    with pytest.raises(ChecksumMismatchError, match=r"'token_ids'.*XXH3-128"):
+        load_pack(CASES["v3 tensor checksum mismatch"][0])
 
 
 def test_newer_version_says_upgrade():

@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--quant", default=C.QUANT_NONE, choices=[C.QUANT_NONE, *sorted(C.QUANT_TYPES)],
                     help="as kvpack build --quant")
     ap.add_argument("--zstd-level", type=int, default=0, help="as kvpack build --zstd-level (0: off)")
+    ap.add_argument("--checksum", default=C.DEFAULT_CHECKSUM, choices=C.CHECKSUMS,
+                    help="as kvpack build --checksum; the other algorithm's file is loaded too, for comparison")
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
     model, tok = kvpack.load_model(args.model, device=args.device)
@@ -61,9 +63,11 @@ def main() -> None:
         return kvpack_prefill(model, ids[0].tolist(), sink, layout, spec, args.chunk_size,
                               recorder=method.recorder(spec, ids.shape[1], model.device))
 
-    rows = {k: [] for k in ("prefill", "attention", "build", "chunked prefill", "scoring", "save", "load")}
+    other = next(c for c in C.CHECKSUMS if c != args.checksum)
+    rows = {k: [] for k in ("prefill", "attention", "build", "chunked prefill", "scoring", "save", "load",
+                            "load other")}
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "ctx.kvpack"
+        path, other_path = Path(tmp) / "ctx.kvpack", Path(tmp) / "other.kvpack"
         prefill()  # warm-up
         for _ in range(args.repeats):
             rows["prefill"].append(timed(prefill)[0])
@@ -74,21 +78,26 @@ def main() -> None:
             t, filled = timed(chunked_prefill)
             rows["chunked prefill"].append(t)
             rows["scoring"].append(timed(lambda: method.score(model, tok, filled))[0])
-            rows["save"].append(timed(lambda: kvpack.save(pack, path, zstd_level=args.zstd_level))[0])
+            rows["save"].append(timed(lambda: kvpack.save(pack, path, zstd_level=args.zstd_level,
+                                                          checksum=args.checksum))[0])
+            kvpack.save(pack, other_path, zstd_level=args.zstd_level, checksum=other)
             rows["load"].append(timed(lambda: kvpack.load(path, model))[0])
+            rows["load other"].append(timed(lambda: kvpack.load(other_path, model))[0])
         size = path.stat().st_size
     med = {k: statistics.median(v) for k, v in rows.items()}
     print(f"model {getattr(model, 'kvpack_name', '?')} on {model.device}, {ids.shape[1]} tokens, "
           f"method {args.method}, ratio {args.ratio}, quant {args.quant}, zstd level {args.zstd_level}, "
+          f"checksum {args.checksum}, "
           f"{args.repeats} repeats (medians)")
     print("| step | median seconds | vs plain prefill |")
     print("|---|---|---|")
     labels = {"attention": "  of which attention (SDPA alone, every layer)", "chunked prefill": "  build: chunked prefill",
-              "scoring": "  build: scoring (method.score)"}
+              "scoring": "  build: scoring (method.score)", "load other": f"load, the same pack with {other} checksums"}
     for k in rows:
         print(f"| {labels.get(k, k)} | {med[k]:.4f} | {med[k] / med['prefill']:.3f}x |")
     print(f"\nKVzip build / prefill: {med['build'] / med['prefill']:.2f}x (target <= 2.1x)")
-    print(f"re-prefill / load: {med['prefill'] / med['load']:.1f}x faster to load (target >= 100x)")
+    print(f"re-prefill / load: {med['prefill'] / med['load']:.1f}x faster to load (target >= 100x); "
+          f"with {other} checksums {med['prefill'] / med['load other']:.1f}x")
     print(f"file: {size} bytes ({size / ids.shape[1]:.1f} bytes per context token)")
 
 
