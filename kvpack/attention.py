@@ -17,9 +17,10 @@ one blocked product (``update_max_scores``); elsewhere the softmax is computed e
 
 While a context is prefilled for a method that scores by prefill attention (H2O, D2O, SnapKV, PyramidKV),
 ``kvpack.prefill`` tags each compressed layer's keys with an ``AttentionRecorder`` (``kvpack.stats``): for column
-sums the function computes the chunk's causal attention together with each query's log-sum-exp
-(``attention_with_lse``) and hands both to the recorder; for an observation window it hands the recorder the
-chunk's queries and keys and computes the attention as plain SDPA.
+sums the function computes the chunk's causal attention together with its column sums in one pass where that is
+faster (``kvpack.stats.attention_with_column_sums``: CPU, float32, no sliding window cutting the chunk), elsewhere
+together with each query's log-sum-exp (``attention_with_lse``), and hands them to the recorder; for an
+observation window it hands the recorder the chunk's queries and keys and computes the attention as plain SDPA.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import UnsupportedModelError
-from .stats import visible_mask
+from .stats import attention_with_column_sums, one_pass_applies, visible_mask
 
 __all__ = ["ATTN_IMPLEMENTATION", "register", "use_kvpack_attention", "masked_attention", "scored_attention_dense",
            "update_max_scores", "attention_with_lse", "QUERY_BLOCK"]
@@ -242,8 +243,12 @@ def kvpack_attention_forward(module, query, key, value, attention_mask, dropout:
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         window = kwargs.get("sliding_window")
         if recorder is not None and recorder.wants_columns(layer_idx, q_start):
-            out, lse = attention_with_lse(query, key, value, scale, window)
-            recorder.record(layer_idx, query, key, scale, key_start, window, lse)
+            if one_pass_applies(query, key.shape[2], window):
+                out, sums = attention_with_column_sums(query, key, value, scale)
+                recorder.record(layer_idx, query, key, scale, key_start, window, sums=sums)
+            else:
+                out, lse = attention_with_lse(query, key, value, scale, window)
+                recorder.record(layer_idx, query, key, scale, key_start, window, lse=lse)
             return out, None
         if recorder is not None and recorder.wants_window(layer_idx, q_start, query.shape[2]):
             recorder.record(layer_idx, query, key, scale, key_start, window)

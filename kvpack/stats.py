@@ -1,21 +1,25 @@
 """Prefill attention statistics, recorded chunk by chunk while the context is prefilled (one pass).
 
-Methods that score by the attention the context itself pays (H2O, D2O, SnapKV, PyramidKV) give ``prefill`` an
-``AttentionRecorder``. For every chunk and every compressed layer, the ``"kvpack"`` attention function hands the
-recorder the chunk's queries and keys and, when column sums are kept, each query's log-sum-exp ``lse`` (computed
-with the attention output), so the probability of query ``i`` over key ``j`` is
-``p[i, j] = exp(q_i . k_j * scaling - lse_i)``. Two statistics are kept, per compressed layer and per query head,
+Methods that score by the attention the context itself pays (H2O, arXiv 2306.14048; D2O, arXiv 2406.13035;
+SnapKV, PyramidKV) give ``prefill`` an ``AttentionRecorder``. For every chunk and every compressed layer the
+``"kvpack"`` attention function hands the recorder what it needs. With ``p_h[i, j]`` the attention probability of
+query ``i`` over key ``j`` in query head ``h``, two statistics are kept, per compressed layer and per query head,
 over the key positions ``0 .. tokens - 1``:
 
     column_sums[h, j] = sum over every query i of the context of p_h[i, j]    (the attention key j receives)
     window_sums[h, j] = sum over the observation-window queries of p_h[i, j] (SnapKV, arXiv 2404.14469 §4)
 
-No tokens x tokens matrix is built. On CPU the column sums of a chunk come from one more call of the fused flash
-kernel, on the transposed problem (keys as queries, queries as keys, ``-lse_i`` as a bias on column ``i``): its
-log-sum-exp is ``log sum_i exp(q_i . k_j * scaling - lse_i)``, the log of the column sum. Elsewhere (and when a
-sliding window cuts the chunk) they are summed explicitly over blocks of queries. Window sums need only the
-window's few queries: their probabilities are computed explicitly (``w x tokens``) and the chunk's attention
-itself stays plain SDPA.
+No tokens x tokens matrix is built. On CPU in float32, when no sliding window cuts the chunk's keys, the chunk's
+attention output and its column sums come from one explicit pass (``attention_with_column_sums``): blocks of
+queries, each block's probabilities (4 MB, in cache) computed once and used both for ``p @ v`` and for the column
+sums. At the reference model's shapes on 2 CPU cores this costs about 1.1x the fused flash kernel alone; flash for
+the output plus a second flash call on the transposed problem for the column sums costs 2x. Elsewhere (other
+devices, other dtypes, a sliding window cutting the chunk) the attention comes from
+``kvpack.attention.attention_with_lse`` (flash or SDPA, with each query's log-sum-exp ``lse``) and ``column_sums``
+recomputes ``p[i, j] = exp(q_i . k_j * scaling - lse_i)``: on CPU through that transposed flash call (keys as
+queries, ``-lse_i`` as a bias on column ``i``, whose log-sum-exp is the log column sum), otherwise summed
+explicitly over blocks of queries. Window sums need only the window's few queries: their probabilities are
+computed explicitly (``w x tokens``) and the chunk's attention itself stays plain.
 """
 
 from __future__ import annotations
@@ -24,10 +28,16 @@ import torch
 
 from .model import ModelSpec
 
-__all__ = ["AttentionRecorder", "column_sums", "window_sums", "visible_mask", "SUM_BLOCK_ELEMENTS"]
+__all__ = ["AttentionRecorder", "attention_with_column_sums", "one_pass_applies", "column_sums", "window_sums",
+           "visible_mask", "SUM_BLOCK_ELEMENTS", "ONE_PASS_BLOCK_ELEMENTS"]
 
 #: Entries of one block of probabilities when column sums are summed explicitly (64 MB of float32).
 SUM_BLOCK_ELEMENTS = 16 * 2**20
+#: Entries of one block of probabilities in ``attention_with_column_sums`` (4 MB of float32, in cache from the
+#: product with the keys to the product with the values and the column sum). On the 2-core development machine,
+#: at the reference model's shapes: 1.08x the flash kernel alone with 4 MB, 1.05x with 8 MB, 1.13x with 2 MB,
+#: 1.8x with 32 MB; with another process busy on one core 4 MB stayed best (1.2x).
+ONE_PASS_BLOCK_ELEMENTS = 2**20
 
 
 def visible_mask(q_len: int, kv_len: int, window: int | None, device=None, first: int = 0) -> torch.Tensor:
@@ -61,6 +71,60 @@ def column_sums(query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor, scali
     if query.device.type == "cpu" and (window is None or kv_len <= window):
         return _column_sums_flash(query, key, lse, scaling)
     return _column_sums_explicit(query, key, lse, scaling, visible_mask(q_len, kv_len, window, query.device))
+
+
+def one_pass_applies(query: torch.Tensor, kv_len: int, window: int | None) -> bool:
+    """Whether ``attention_with_column_sums`` is the way to get a chunk's attention and column sums: on CPU, in
+    float32, when no sliding window cuts the chunk's ``kv_len`` keys (where it was measured faster than
+    ``attention_with_lse`` followed by ``column_sums``)."""
+    return query.device.type == "cpu" and query.dtype == torch.float32 and (window is None or kv_len <= window)
+
+
+def attention_with_column_sums(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of a prefill chunk and the attention each key receives, from the same probabilities.
+
+    Args:
+        query: ``[1, heads, q, head_dim]``, the last ``q`` positions of the keys (a prefill chunk).
+        key, value: ``[1, kv_heads, kv, head_dim]``, ``kv >= q``; ``heads`` is a multiple of ``kv_heads`` (GQA:
+            query head ``h`` reads KV head ``h // (heads // kv_heads)``).
+        scaling: the softmax temperature applied to ``q . k``.
+
+    Returns:
+        ``(out, sums)``: ``out`` ``[1, q, heads, head_dim_v]`` in the query's dtype (the layout transformers
+        expects), equal to causal SDPA; ``sums`` ``[heads, kv]`` float32, ``sums[h, j] = sum_i p_h[i, j]`` over
+        the chunk's queries ``i`` (query ``i`` sees the keys ``j <= kv - q + i``).
+
+    Queries go in blocks of ``b`` (about ``ONE_PASS_BLOCK_ELEMENTS`` probabilities a block, so that a block stays
+    in cache). A block whose last query is at ``s + b - 1`` sees only the first ``n = kv - q + s + b`` keys, so the
+    rest are skipped (the causal triangle costs half). With the GQA group folded into the rows of one product per
+    KV head (keys are not copied), in float32:
+
+        p = softmax(q_block @ k[:n]^T * scaling, causally masked)   [kv_heads, group, b, n]
+        out_block = p @ v[:n];   sums[:, :n] += p summed over the block's b queries
+    """
+    _, heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    past = kv_len - q_len
+    q = (query[0].float() * scaling).view(kv_heads, group, q_len, dim)
+    k, v = key[0].float(), value[0].float()  # [kv_heads, kv, d]
+    out = q.new_empty(kv_heads, group, q_len, v.shape[-1])
+    sums = q.new_zeros(kv_heads, group, kv_len)
+    block = min(q_len, max(1, ONE_PASS_BLOCK_ELEMENTS // (heads * kv_len)))  # queries a block
+    hidden = torch.ones(block, block, dtype=torch.bool, device=q.device).triu_(1)  # key after query, in a block
+    buffer = q.new_empty(heads * block * kv_len)  # one block's probabilities, reused (no allocation per block)
+    for s in range(0, q_len, block):
+        e = min(q_len, s + block)
+        b, n = e - s, past + e
+        p = buffer[: heads * b * n].view(kv_heads, group * b, n)
+        torch.bmm(q[:, :, s:e].reshape(kv_heads, group * b, dim), k[:, :n].transpose(1, 2), out=p)  # logits
+        p.view(kv_heads, group, b, n)[..., past + s :].masked_fill_(hidden[:b, :b], float("-inf"))
+        torch.softmax(p, dim=-1, out=p)
+        out[:, :, s:e] = torch.bmm(p, v[:, :n]).view(kv_heads, group, b, -1)
+        sums[..., :n] += p.view(kv_heads, group, b, n).sum(dim=2)
+    out = out.view(1, heads, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
+    return out, sums.view(heads, kv_len)
 
 
 def _augment(query, key, lse, scaling):
@@ -149,7 +213,7 @@ class AttentionRecorder:
 
     def wants_columns(self, layer_idx: int, q_start: int) -> bool:
         """Whether the chunk of layer ``layer_idx`` whose first query is at position ``q_start`` adds to
-        ``column_sums`` (it then needs the queries' log-sum-exp, see ``record``)."""
+        ``column_sums`` (it then needs the chunk's column sums or its queries' log-sum-exp, see ``record``)."""
         return self.column_sums is not None and layer_idx in self.index and q_start < self.tokens
 
     def wants_window(self, layer_idx: int, q_start: int, q_len: int) -> bool:
@@ -158,7 +222,7 @@ class AttentionRecorder:
         return self.window_sums is not None and layer_idx in self.index and q_start + q_len > self.window_start
 
     def record(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float, key_start: int,
-               window: int | None, lse: torch.Tensor | None = None) -> None:
+               window: int | None, lse: torch.Tensor | None = None, sums: torch.Tensor | None = None) -> None:
         """Add one chunk's attention of layer ``layer_idx`` to the statistics that want it.
 
         Args:
@@ -166,8 +230,10 @@ class AttentionRecorder:
             key: ``[1, kv_heads, kv, head_dim]`` at positions ``key_start .. key_start + kv - 1``.
             scaling: the softmax temperature.
             window: the sliding window in tokens, or ``None``.
-            lse: ``[1, heads, q]`` float32 log-sum-exp of the queries' attention logits; needed when
-                ``wants_columns`` (column sums are skipped without it).
+            lse: ``[1, heads, q]`` float32 log-sum-exp of the queries' attention logits, from which the column
+                sums are computed (``column_sums``) when ``wants_columns``.
+            sums: ``[heads, kv]`` float32, the chunk's column sums already computed with its attention
+                (``attention_with_column_sums``); used instead of ``lse``. Without either, column sums are skipped.
 
         Raises:
             ValueError: a chunk mixes context queries and observation queries (``prefill`` never does).
@@ -176,13 +242,14 @@ class AttentionRecorder:
         q_len, kv_len = query.shape[2], key.shape[2]
         q_start = key_start + kv_len - q_len
         stop = min(kv_len, self.tokens - key_start)  # keys inside the cached sequence
-        if lse is not None and self.wants_columns(layer_idx, q_start):
+        if (lse is not None or sums is not None) and self.wants_columns(layer_idx, q_start):
             if q_start + q_len > self.tokens:
                 raise ValueError("a prefill chunk must not mix context queries and observation queries")
-            sums = column_sums(query, key, lse, scaling, window)
+            if sums is None:
+                sums = column_sums(query, key, lse, scaling, window)
             self.column_sums[i][:, key_start : key_start + stop] += sums[:, :stop]
         if self.wants_window(layer_idx, q_start, q_len):
             first = max(0, self.window_start - q_start)
             visible = visible_mask(q_len, kv_len, window, query.device, first)
-            sums = window_sums(query[:, :, first:], key, scaling, visible)
-            self.window_sums[i][:, key_start : key_start + stop] += sums[:, :stop]
+            observed = window_sums(query[:, :, first:], key, scaling, visible)
+            self.window_sums[i][:, key_start : key_start + stop] += observed[:, :stop]

@@ -9,7 +9,8 @@ from kvpack.attention import _attention_with_lse_explicit, attention_with_lse
 from kvpack.layout import chat_layout
 from kvpack.model import model_spec
 from kvpack.prefill import prefill
-from kvpack.stats import AttentionRecorder, _column_sums_explicit, column_sums, visible_mask, window_sums
+from kvpack.stats import (AttentionRecorder, _column_sums_explicit, attention_with_column_sums, column_sums,
+                          one_pass_applies, visible_mask, window_sums)
 
 from .tiny import TEXT, tiny_model
 
@@ -55,6 +56,32 @@ def test_column_sums_match_brute_force(q_len, kv_len, window, monkeypatch):
     torch.testing.assert_close(_column_sums_explicit(q, k, lse, 0.3, vis).double(), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("q_len, kv_len", [(13, 31), (31, 31), (1, 9), (1, 1), (40, 41)])
+@pytest.mark.parametrize("block", [None, 1, 3])  # queries per block (None: the default size, one block here)
+def test_one_pass_attention_and_column_sums_match_softmax(group, q_len, kv_len, block, monkeypatch):
+    """Output and column sums of the one-pass path against an explicit float64 softmax: GQA groups 1/4/7, odd
+    head_dim, keys cached before the chunk (``kv > q``), blocks that do not divide the chunk."""
+    q, k, v = _chunk(heads=3 * group, kv_heads=3, q_len=q_len, kv_len=kv_len, dim=5)
+    if block is not None:
+        monkeypatch.setattr("kvpack.stats.ONE_PASS_BLOCK_ELEMENTS", block * 3 * group * kv_len)
+    probs, ref_out, _ = _brute(q, k, v, 0.3)
+    out, sums = attention_with_column_sums(q, k, v, 0.3)
+    assert out.shape == ref_out.shape and out.dtype == q.dtype and sums.shape == (3 * group, kv_len)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sums.double(), probs.sum(1), atol=1e-5, rtol=1e-5)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=visible_mask(q_len, kv_len, None), scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(out, sdpa.transpose(1, 2), atol=1e-6, rtol=1e-5)
+
+
+def test_one_pass_applies_only_where_measured():
+    q = torch.zeros(1, 4, 8, 16)
+    assert one_pass_applies(q, 20, None) and one_pass_applies(q, 20, 20)
+    assert not one_pass_applies(q, 20, 19)  # a sliding window cuts the chunk's keys
+    assert not one_pass_applies(q.bfloat16(), 20, None)
+
+
 def test_window_sums_match_brute_force():
     q, k, v = _chunk()
     probs, _, lse = _brute(q, k, v, 0.3)
@@ -63,9 +90,13 @@ def test_window_sums_match_brute_force():
     torch.testing.assert_close(got.double(), probs[:, 9:].sum(1), atol=1e-5, rtol=1e-5)
 
 
-def test_recorded_prefill_equals_brute_force_over_the_whole_sequence():
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_recorded_prefill_equals_brute_force_over_the_whole_sequence(one_pass, monkeypatch):
     """Chunked recording (odd chunk size, GQA) gives the column sums of the full causal attention matrix, and the
-    window sums of its last rows, layer by layer; the KV cache is the one plain prefill gives."""
+    window sums of its last rows, layer by layer; the KV cache is the one plain prefill gives. Both ways of
+    computing column sums: in one pass with the attention, and from the queries' log-sum-exp."""
+    if not one_pass:
+        monkeypatch.setattr("kvpack.attention.one_pass_applies", lambda *args: False)
     model, tok = tiny_model("qwen3")
     layout = chat_layout(tok)
     ids = layout.prefix_ids(tok) + layout.encode(tok, TEXT[:200])
