@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import UnsupportedModelError
-from .stats import attention_with_column_sums, one_pass_applies, visible_mask
+from .stats import attention_with_column_sums, one_pass_applies, one_pass_attention, visible_mask
 
 __all__ = ["ATTN_IMPLEMENTATION", "register", "use_kvpack_attention", "masked_attention", "scored_attention_dense",
            "update_max_scores", "attention_with_lse", "QUERY_BLOCK"]
@@ -72,11 +72,11 @@ def masked_attention(query, key, value, visible, scaling, scores=None, query_blo
 def scored_attention_dense(query, key, value, past: int, scaling, scores):
     """KVzip's repeat pass on CPU when every head sees all ``past`` cached entries (no padding, no window).
 
-    The queries are the last ``q`` of the keys: they see the ``past`` entries and, causally, each other. Two
-    unmasked flash calls (the past with the GQA group folded into the queries, so no key is copied; then the new
-    keys causally) give the output and each query's log-sum-exp ``lse``; the scores of the first
-    ``n = scores.shape[1]`` entries are then ``max_q exp(q . k * scaling - lse_q)`` (arXiv 2505.23416, Eq. 2),
-    see ``update_max_scores``.
+    The queries are the last ``q`` of the keys: they see the ``past`` entries and, causally, each other. The
+    score of each of the first ``n = scores.shape[1]`` entries is the maximum of its attention probability over the
+    queries and the query heads of its GQA group (arXiv 2505.23416, §3.2, Eq. 2). In float32 one explicit blocked
+    pass (``kvpack.stats.one_pass_attention``) gives the output and the scores from the same probabilities, so
+    each ``q . k`` is computed once; in other dtypes ``_scored_attention_flash`` computes them twice.
 
     Args:
         query: ``[1, heads, q, head_dim]``; key, value: ``[1, kv_heads, past + q, head_dim]``.
@@ -86,6 +86,15 @@ def scored_attention_dense(query, key, value, past: int, scaling, scores):
     Returns:
         ``[1, q, heads, head_dim_v]`` attention output.
     """
+    if query.dtype == torch.float32:
+        return one_pass_attention(query, key, value, scaling, max_scores=scores)[0]
+    return _scored_attention_flash(query, key, value, past, scaling, scores)
+
+
+def _scored_attention_flash(query, key, value, past: int, scaling, scores):
+    """``scored_attention_dense`` with two unmasked flash calls (the past with the GQA group folded into the
+    queries, so no key is copied; then the new keys causally) for the output and each query's log-sum-exp ``lse``,
+    then the scores ``max_q exp(q . k * scaling - lse_q)`` (``update_max_scores``)."""
     out, lse = _attention_past_and_causal(query, key, value, past, scaling)
     update_max_scores(scores, query, key, lse, scaling)
     return out.transpose(1, 2).contiguous()

@@ -28,7 +28,7 @@ import torch
 
 from .model import ModelSpec
 
-__all__ = ["AttentionRecorder", "attention_with_column_sums", "one_pass_applies", "column_sums", "window_sums",
+__all__ = ["AttentionRecorder", "attention_with_column_sums", "one_pass_attention", "one_pass_applies", "column_sums", "window_sums",
            "visible_mask", "SUM_BLOCK_ELEMENTS", "ONE_PASS_BLOCK_ELEMENTS"]
 
 #: Entries of one block of probabilities when column sums are summed explicitly (64 MB of float32).
@@ -82,7 +82,8 @@ def one_pass_applies(query: torch.Tensor, kv_len: int, window: int | None) -> bo
 
 def attention_with_column_sums(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of a prefill chunk and the attention each key receives, from the same probabilities.
+    """Causal attention of a prefill chunk and the attention each key receives, from the same probabilities
+    (H2O's and D2O's statistic; ``one_pass_attention`` with ``column_sums=True``).
 
     Args:
         query: ``[1, heads, q, head_dim]``, the last ``q`` positions of the keys (a prefill chunk).
@@ -94,6 +95,29 @@ def attention_with_column_sums(query: torch.Tensor, key: torch.Tensor, value: to
         ``(out, sums)``: ``out`` ``[1, q, heads, head_dim_v]`` in the query's dtype (the layout transformers
         expects), equal to causal SDPA; ``sums`` ``[heads, kv]`` float32, ``sums[h, j] = sum_i p_h[i, j]`` over
         the chunk's queries ``i`` (query ``i`` sees the keys ``j <= kv - q + i``).
+    """
+    return one_pass_attention(query, key, value, scaling, column_sums=True)
+
+
+def one_pass_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, *,
+                       column_sums: bool = False, max_scores: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal attention of queries that are the last ``q`` of the keys, with statistics of its probabilities taken
+    from the same blocks: column sums (H2O, arXiv 2306.14048 §3; D2O, arXiv 2406.13035 §3.1) and/or the running
+    maximum over queries and GQA group (KVzip's entry score, arXiv 2505.23416 §3.2, Eq. 2).
+
+    Args:
+        query: ``[1, heads, q, head_dim]``; key, value: ``[1, kv_heads, kv, head_dim]``, ``kv >= q``, ``heads`` a
+            multiple of ``kv_heads``. Query ``i`` sees the keys ``j <= kv - q + i``.
+        scaling: the softmax temperature applied to ``q . k``.
+        column_sums: also return ``sums`` ``[heads, kv]`` float32, ``sums[h, j] = sum_i p_h[i, j]``.
+        max_scores: optional ``[kv_heads, n]`` float32 (``n <= kv``), updated in place to
+            ``max(max_scores, max over queries i and the query heads of the GQA group of p[i, j])`` for the
+            first ``n`` keys.
+
+    Returns:
+        ``(out, sums)``: ``out`` ``[1, q, heads, head_dim_v]`` in the query's dtype (the layout transformers
+        expects); ``sums`` as above, or ``None`` without ``column_sums``.
 
     Queries go in blocks of ``b`` (about ``ONE_PASS_BLOCK_ELEMENTS`` probabilities a block, so that a block stays
     in cache). A block whose last query is at ``s + b - 1`` sees only the first ``n = kv - q + s + b`` keys, so the
@@ -101,7 +125,8 @@ def attention_with_column_sums(query: torch.Tensor, key: torch.Tensor, value: to
     KV head (keys are not copied), in float32:
 
         p = softmax(q_block @ k[:n]^T * scaling, causally masked)   [kv_heads, group, b, n]
-        out_block = p @ v[:n];   sums[:, :n] += p summed over the block's b queries
+        out_block = p @ v[:n];   sums[:, :n] += p summed over the block's b queries;
+        max_scores = max(max_scores, p[..., :n_scores] maximised over the group and the block's queries)
     """
     _, heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
@@ -110,7 +135,8 @@ def attention_with_column_sums(query: torch.Tensor, key: torch.Tensor, value: to
     q = (query[0].float() * scaling).view(kv_heads, group, q_len, dim)
     k, v = key[0].float(), value[0].float()  # [kv_heads, kv, d]
     out = q.new_empty(kv_heads, group, q_len, v.shape[-1])
-    sums = q.new_zeros(kv_heads, group, kv_len)
+    sums = q.new_zeros(kv_heads, group, kv_len) if column_sums else None
+    n_scores = 0 if max_scores is None else max_scores.shape[1]
     block = min(q_len, max(1, ONE_PASS_BLOCK_ELEMENTS // (heads * kv_len)))  # queries a block
     hidden = torch.ones(block, block, dtype=torch.bool, device=q.device).triu_(1)  # key after query, in a block
     buffer = q.new_empty(heads * block * kv_len)  # one block's probabilities, reused (no allocation per block)
@@ -122,9 +148,13 @@ def attention_with_column_sums(query: torch.Tensor, key: torch.Tensor, value: to
         p.view(kv_heads, group, b, n)[..., past + s :].masked_fill_(hidden[:b, :b], float("-inf"))
         torch.softmax(p, dim=-1, out=p)
         out[:, :, s:e] = torch.bmm(p, v[:, :n]).view(kv_heads, group, b, -1)
-        sums[..., :n] += p.view(kv_heads, group, b, n).sum(dim=2)
+        if sums is not None:
+            sums[..., :n] += p.view(kv_heads, group, b, n).sum(dim=2)
+        if n_scores:
+            m = min(n_scores, n)
+            max_scores[:, :m] = torch.maximum(max_scores[:, :m], p[:, :, :m].amax(dim=1))
     out = out.view(1, heads, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
-    return out, sums.view(heads, kv_len)
+    return out, None if sums is None else sums.view(heads, kv_len)
 
 
 def _augment(query, key, lse, scaling):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpack.attention import (_scored_attention_explicit, _scored_attention_fused, attention_with_lse, masked_attention,
-                              scored_attention_dense)
+from kvpack.attention import (_scored_attention_explicit, _scored_attention_flash, _scored_attention_fused,
+                              attention_with_lse, masked_attention, scored_attention_dense)
 
 
 @pytest.mark.parametrize("group", [1, 4])
@@ -39,12 +39,16 @@ def test_fused_and_explicit_scoring_agree_with_softmax(group, block_elements, mo
     torch.testing.assert_close(s2, ref_scores, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("path", ["one pass", "flash"])
 @pytest.mark.parametrize("group", [1, 4, 7])
 @pytest.mark.parametrize("block_elements", [100, 2**20])
 @pytest.mark.parametrize("kept", [0, 1, 29])
-def test_dense_scoring_matches_softmax_over_past_and_causal_tail(group, block_elements, kept, monkeypatch):
-    """KVzip's repeat pass: every query sees all cached entries and, causally, the repeat input's own keys."""
+def test_dense_scoring_matches_softmax_over_past_and_causal_tail(path, group, block_elements, kept, monkeypatch):
+    """KVzip's repeat pass: every query sees all cached entries and, causally, the repeat input's own keys.
+    ``block_elements`` small makes both paths go over many blocks (some not dividing the queries)."""
     monkeypatch.setattr("kvpack.attention.SCORE_BLOCK_ELEMENTS", block_elements)
+    monkeypatch.setattr("kvpack.stats.ONE_PASS_BLOCK_ELEMENTS", block_elements)
+    scored = scored_attention_dense if path == "one pass" else _scored_attention_flash
     torch.manual_seed(1)
     kv_heads, q_len, dim = 2, 23, 16
     heads = kv_heads * group
@@ -53,7 +57,7 @@ def test_dense_scoring_matches_softmax_over_past_and_causal_tail(group, block_el
     v = torch.randn(1, kv_heads, kept + q_len, dim)
     n = min(kept, 20)  # scores for a prefix of the cached entries (KVzip skips none, but the API allows it)
     scores = torch.zeros(kv_heads, n)
-    out = scored_attention_dense(q, k, v, kept, 0.3, scores)
+    out = scored(q, k, v, kept, 0.3, scores)
     visible = torch.ones(q_len, kept + q_len, dtype=torch.bool)
     visible[:, kept:] = torch.ones(q_len, q_len, dtype=torch.bool).tril()
     kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
