@@ -136,7 +136,8 @@ def _method_params(method: str, given: dict) -> dict:
 @click.option("--checksum", type=click.Choice(C.CHECKSUMS), default=C.DEFAULT_CHECKSUM, show_default=True,
               help="Tensor checksum: xxh3 (XXH3-128, fast to verify; detects damage, not tampering) or sha256 "
                    "(cryptographic; with --quant none --zstd-level 0 the file is readable by kvpack 0.1).")
-@click.option("--overwrite", is_flag=True, help="Rebuild packs that are already up to date.")
+@click.option("--overwrite", is_flag=True, help="Rebuild packs that are already up to date (a pack built with other "
+                                                "settings is always rebuilt and replaced).")
 @_method_options
 def build(inputs, model_name, method, ratio, out_dir, device, dtype, chunk_size, quant, group_size, zstd_level,
           checksum, overwrite, **method_options):
