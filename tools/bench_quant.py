@@ -18,7 +18,12 @@ The packs' full-precision rows (attention sink and residual) are cast to ``--kv-
 before quantizing, so all sizes are fp16-based whatever dtype the model runs in; the retrieval runs use the same
 packs.
 
+With ``--ablation`` three more variants are asked the question (retrieval only, not stored): keys quantized
+and values kept, values quantized and keys kept (both with ``--quant``), and keys int8 with values ``--quant``.
+They show which half of the cache the accuracy loss comes from.
+
     python tools/bench_quant.py --tokens 4096 --trials 50            # the figures for BENCHMARKS.md
+    python tools/bench_quant.py --tokens 4096 --trials 300 --ablation
     python tools/bench_quant.py --tokens 1024 --trials 4             # a quick check
 """
 
@@ -42,7 +47,7 @@ from kvpack.fileformat import load_pack, pack_to_bytes  # noqa: E402
 from kvpack.loading import cache_from_pack  # noqa: E402
 from kvpack.model import model_spec  # noqa: E402
 from kvpack.pack import LayerEntries, Pack  # noqa: E402
-from kvpack.quant import quantize_pack  # noqa: E402
+from kvpack.quant import dequantize_layer, quantize_pack  # noqa: E402
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -51,6 +56,17 @@ def cast_pack(pack: Pack, dtype: torch.dtype) -> Pack:
     """``pack`` (unquantized) with keys and values cast to ``dtype``."""
     layers = [LayerEntries(l.keys.to(dtype), l.values.to(dtype), l.positions, l.head_lengths) for l in pack.layers]
     return Pack(pack.token_ids, layers, pack.sink_tokens, dict(pack.metadata))
+
+
+def mixed_pack(base: Pack, keys_from: Pack | None, values_from: Pack | None) -> Pack:
+    """``base`` (unquantized) with its keys and/or values replaced by the dequantized rows of quantized packs of the
+    same selection (``None``: keep ``base``'s), in ``base``'s dtype."""
+    def rows(q: Pack | None, l: int, part: str) -> torch.Tensor:
+        own = getattr(base.layers[l], part)
+        return own if q is None else getattr(dequantize_layer(q.layers[l], own.dtype), part)
+    layers = [LayerEntries(rows(keys_from, l, "keys"), rows(values_from, l, "values"), b.positions, b.head_lengths)
+              for l, b in enumerate(base.layers)]
+    return Pack(base.token_ids, layers, base.sink_tokens, dict(base.metadata))
 
 
 def fp16_kv_bytes(model, tokens: int) -> int:
@@ -76,6 +92,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=tasks.ANSWER_MAX_NEW_TOKENS)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", help="model dtype (auto: float32 on CPU)")
+    ap.add_argument("--ablation", action="store_true",
+                    help="also ask: --quant keys only, --quant values only, int8 keys + --quant values")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args()
 
@@ -84,8 +102,10 @@ def main() -> None:
     kv_dtype = _DTYPES[args.kv_dtype]
     variants = [(q, z) for q in (C.QUANT_NONE, args.quant) for z in (0, args.zstd_level)]
     sizes = {v: [] for v in variants}
-    correct = {q: [] for q in (C.QUANT_NONE, args.quant)}
-    answers = {q: [] for q in (C.QUANT_NONE, args.quant)}
+    ablations = ([f"{args.quant} keys only", f"{args.quant} values only", f"int8 keys + {args.quant} values"]
+                 if args.ablation else [])
+    correct = {q: [] for q in (C.QUANT_NONE, args.quant, *ablations)}
+    answers = {q: [] for q in (C.QUANT_NONE, args.quant, *ablations)}
     full_kv, full_file, errors = [], [], []
     trials = needle_trials(tok, args.tokens, args.trials, args.seed)
     for i, trial in enumerate(trials):
@@ -106,6 +126,14 @@ def main() -> None:
             answer = kvpack.generate(model, tok, cache, question, max_new_tokens=args.max_new_tokens)
             answers[q].append(answer)
             correct[q].append(tasks.answer_matches(answer, trial.fact))
+        if ablations:
+            quantized, int8 = packs[args.quant], quantize_pack(base, "int8", args.group_size)
+            for name, mixed in zip(ablations, (mixed_pack(base, quantized, None), mixed_pack(base, None, quantized),
+                                               mixed_pack(base, int8, quantized))):
+                answer = kvpack.generate(model, tok, cache_from_pack(mixed, model, tok), question,
+                                         max_new_tokens=args.max_new_tokens)
+                answers[name].append(answer)
+                correct[name].append(tasks.answer_matches(answer, trial.fact))
         print(f"trial {i + 1}/{len(trials)} depth {trial.depth:.2f}: tokens {base.original_tokens}, "
               + ", ".join(f"{q} {'ok' if correct[q][-1] else 'wrong'}" for q in correct)
               + f" ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
@@ -131,6 +159,11 @@ def main() -> None:
     print(f"\nretrieval (exact match of the code, {n} trials): none {acc[C.QUANT_NONE]:.1f}%, "
           f"{args.quant} {acc[args.quant]:.1f}% ({acc[args.quant] - acc[C.QUANT_NONE]:+.1f} points); "
           f"{flips} trial(s) changed correctness, {same}/{n} identical answer texts")
+    for name in ablations:
+        lost = sum(a and not b for a, b in zip(correct[C.QUANT_NONE], correct[name]))
+        gained = sum(b and not a for a, b in zip(correct[C.QUANT_NONE], correct[name]))
+        print(f"  ablation, {name}: {acc[name]:.1f}% ({acc[name] - acc[C.QUANT_NONE]:+.1f} points; {lost} lost, "
+              f"{gained} gained)")
     worst = {k: max(e[l][k] for e in errors for l in range(len(e)))
              for k in ("key_max_abs", "value_max_abs")}
     means = {k: statistics.mean(e[l][k] for e in errors for l in range(len(e)))
