@@ -20,10 +20,13 @@ packs.
 
 With ``--ablation`` three more variants are asked the question (retrieval only, not stored): keys quantized
 and values kept, values quantized and keys kept (both with ``--quant``), and keys int8 with values ``--quant``.
-They show which half of the cache the accuracy loss comes from.
+They show which half of the cache the accuracy loss comes from. With ``--key-layouts`` three other ways of
+quantizing the keys are asked too, each with the values as ``--quant``: keys per token (groups along head_dim,
+like the values), keys per channel in groups of half ``--group-size`` tokens, and keys un-rotated to before RoPE,
+quantized per channel and rotated back (KVQuant, arXiv 2401.18079 §3.2; Llama-style rotary models only).
 
     python tools/bench_quant.py --tokens 4096 --trials 50            # the figures for BENCHMARKS.md
-    python tools/bench_quant.py --tokens 4096 --trials 300 --ablation
+    python tools/bench_quant.py --tokens 4096 --trials 300 --ablation --key-layouts
     python tools/bench_quant.py --tokens 1024 --trials 4             # a quick check
 """
 
@@ -69,6 +72,38 @@ def mixed_pack(base: Pack, keys_from: Pack | None, values_from: Pack | None) -> 
     return Pack(base.token_ids, layers, base.sink_tokens, dict(base.metadata))
 
 
+def with_keys(pack: Pack, keys: list[torch.Tensor]) -> Pack:
+    """``pack`` (unquantized) with each layer's keys replaced."""
+    layers = [LayerEntries(k, l.values, l.positions, l.head_lengths) for k, l in zip(keys, pack.layers)]
+    return Pack(pack.token_ids, layers, pack.sink_tokens, dict(pack.metadata))
+
+
+def rotate_keys(model, keys: torch.Tensor, positions: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """Keys ``[n, head_dim]`` rotated by the model's RoPE at ``positions`` (``inverse``: un-rotated), in float64:
+    ``k cos + rotate_half(k) sin`` (Llama-style rotary, ``model.model.rotary_emb``); the inverse uses ``-sin``."""
+    cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions.long()[None])
+    cos, sin = cos[0].double(), sin[0].double() * (-1.0 if inverse else 1.0)
+    k = keys.double()
+    half = k.shape[-1] // 2
+    rotated_half = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
+    return k * cos + rotated_half * sin
+
+
+def key_layout_keys(model, base: Pack, qtype: str, group_size: int) -> dict[str, list[torch.Tensor]]:
+    """Each layer's keys after the other key layouts of ``--key-layouts`` (dequantized, in ``base``'s dtype)."""
+    dtype = base.layers[0].keys.dtype
+    as_values = Pack(base.token_ids, [LayerEntries(l.keys, l.keys, l.positions, l.head_lengths) for l in base.layers],
+                     base.sink_tokens, dict(base.metadata))  # per token: quantize the keys the way values are
+    per_token = [dequantize_layer(l, dtype).values for l in quantize_pack(as_values, qtype, group_size).layers]
+    half = [dequantize_layer(l, dtype).keys for l in quantize_pack(base, qtype, max(1, group_size // 2)).layers]
+    out = {"keys per token": per_token, f"keys in groups of {max(1, group_size // 2)}": half}
+    if hasattr(getattr(model, "model", None), "rotary_emb"):
+        pre = with_keys(base, [rotate_keys(model, l.keys, l.positions, True).to(torch.float32) for l in base.layers])
+        out["keys pre-RoPE"] = [rotate_keys(model, dequantize_layer(q, torch.float32).keys, l.positions, False).to(dtype)
+                                for q, l in zip(quantize_pack(pre, qtype, group_size).layers, base.layers)]
+    return out
+
+
 def fp16_kv_bytes(model, tokens: int) -> int:
     """layers x kv_heads x tokens x head_dim x 2 (K, V) x 2 bytes."""
     spec = model_spec(model)
@@ -94,6 +129,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="model dtype (auto: float32 on CPU)")
     ap.add_argument("--ablation", action="store_true",
                     help="also ask: --quant keys only, --quant values only, int8 keys + --quant values")
+    ap.add_argument("--key-layouts", action="store_true",
+                    help="also ask: keys per token, keys in half-size groups, pre-RoPE keys (values: --quant)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args()
 
@@ -104,6 +141,10 @@ def main() -> None:
     sizes = {v: [] for v in variants}
     ablations = ([f"{args.quant} keys only", f"{args.quant} values only", f"int8 keys + {args.quant} values"]
                  if args.ablation else [])
+    if args.key_layouts:
+        ablations += [f"{args.quant} keys per token", f"{args.quant} keys in groups of {max(1, args.group_size // 2)}"]
+        if hasattr(getattr(model, "model", None), "rotary_emb"):
+            ablations.append(f"{args.quant} keys pre-RoPE")
     correct = {q: [] for q in (C.QUANT_NONE, args.quant, *ablations)}
     answers = {q: [] for q in (C.QUANT_NONE, args.quant, *ablations)}
     full_kv, full_file, errors = [], [], []
@@ -127,9 +168,17 @@ def main() -> None:
             answers[q].append(answer)
             correct[q].append(tasks.answer_matches(answer, trial.fact))
         if ablations:
-            quantized, int8 = packs[args.quant], quantize_pack(base, "int8", args.group_size)
-            for name, mixed in zip(ablations, (mixed_pack(base, quantized, None), mixed_pack(base, None, quantized),
-                                               mixed_pack(base, int8, quantized))):
+            quantized = packs[args.quant]
+            variants = []
+            if args.ablation:
+                int8 = quantize_pack(base, "int8", args.group_size)
+                variants += [mixed_pack(base, quantized, None), mixed_pack(base, None, quantized),
+                             mixed_pack(base, int8, quantized)]
+            if args.key_layouts:
+                values_only = mixed_pack(base, None, quantized)
+                variants += [with_keys(values_only, keys)
+                             for keys in key_layout_keys(model, base, args.quant, args.group_size).values()]
+            for name, mixed in zip(ablations, variants):
                 answer = kvpack.generate(model, tok, cache_from_pack(mixed, model, tok), question,
                                          max_new_tokens=args.max_new_tokens)
                 answers[name].append(answer)
