@@ -11,9 +11,11 @@ before with ordinary caches.
 
 While KVzip scores (arXiv 2505.23416 §3.2, Eq. 2) the layer also carries a score buffer (shape
 ``[kv_heads, kept_entries]``) into which ``max`` over queries and over the query heads of each GQA group of the
-attention probabilities is folded. On CPU the output and each query's log-sum-exp come from the fused flash kernel
-(two unmasked calls when every head sees all its entries, as in KVzip's repeat pass) and the probabilities from
-one blocked product (``update_max_scores``); elsewhere the softmax is computed explicitly in query blocks.
+attention probabilities is folded. On CPU, when every head sees all its entries (KVzip's repeat pass), float32
+takes one explicit blocked pass that gives the output and the scores from the same probabilities
+(``kvpack.stats.one_pass_attention``); other CPU cases take the fused flash kernel for the output and each
+query's log-sum-exp, then one blocked product for the probabilities (``update_max_scores``); elsewhere the
+softmax is computed explicitly in query blocks.
 
 While a context is prefilled for a method that scores by prefill attention (H2O, D2O, SnapKV, PyramidKV),
 ``kvpack.prefill`` tags each compressed layer's keys with an ``AttentionRecorder`` (``kvpack.stats``): for column

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 from . import constants as C
 from .compress import DEFAULT_CHUNK_SIZE, DEFAULT_RATIO, compress
 from .errors import InputError, KvpackError
-from .fileformat import PackHeader, save, verify
+from .fileformat import PackHeader, check_storage_args, save, verify
 from .fingerprint import check_fingerprint, model_fingerprint
 from .layout import chat_layout
 from .methods import get_method
@@ -255,8 +255,8 @@ def build(contexts: Iterable[Context], model, tokenizer, *, out_dir: str | os.Pa
 
     An existing output file is kept (the context is skipped) when it is a valid pack (``verify``: every
     checksum) built from the same text (SHA-256) with the same method, method parameters, ratio, quantization
-    (type and group size), zstd level and checksum algorithm, by the same model: the fingerprint's weights and tokenizer hashes,
-    architecture, shapes, RoPE and KV dtype (not the path the model was loaded from). A damaged or unreadable
+    (type and group size), zstd level and checksum algorithm, by the same model: the fingerprint's weights and
+    tokenizer hashes, architecture, shapes, RoPE and KV dtype (not the path the model was loaded from). A damaged or unreadable
     existing file is rebuilt, not reported as an error. ``overwrite=True`` rebuilds everything. Contexts are built
     in order; an error stops the build, and the packs already written stay (a re-run skips them).
 
@@ -277,9 +277,9 @@ def build(contexts: Iterable[Context], model, tokenizer, *, out_dir: str | os.Pa
         One ``BuildResult`` per context, in order.
 
     Raises:
-        InputError: bad method, option, ratio, chunk size, quantization, zstd level or checksum (checked before anything is
-            written); a context
-            ``compress`` refuses (e.g. too long for the model); ``out_dir`` cannot be created or written.
+        InputError: bad method, option, ratio, chunk size, quantization, zstd level or checksum (checked before
+            anything is written); a context ``compress`` refuses (e.g. too long for the model); ``out_dir`` cannot
+            be created or written.
         UnsupportedModelError: the model is not supported.
     """
     contexts = list(contexts)
@@ -350,12 +350,7 @@ def _storage_settings(model, quant: str, group_size: int, zstd_level: int, check
     if quant != C.QUANT_NONE:
         spec = model_spec(model)
         check_quant_args(quant, group_size, spec.head_dim, spec.head_dim, allowed_group_sizes=C.GROUP_SIZES)
-    if isinstance(zstd_level, bool) or not isinstance(zstd_level, int) or not (
-            zstd_level == 0 or C.ZSTD_MIN_LEVEL <= zstd_level <= C.ZSTD_MAX_LEVEL):
-        raise InputError(f"zstd_level must be 0 (off) or an integer in [{C.ZSTD_MIN_LEVEL}, {C.ZSTD_MAX_LEVEL}], "
-                         f"got {zstd_level!r}")
-    if checksum not in C.CHECKSUMS:
-        raise InputError(f"checksum must be one of {', '.join(map(repr, C.CHECKSUMS))}, got {checksum!r}")
+    check_storage_args(zstd_level, checksum)
     return {"quant": (quant, group_size) if quant != C.QUANT_NONE else (C.QUANT_NONE, None),
             "zstd_level": zstd_level, "checksum": checksum}
 

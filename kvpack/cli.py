@@ -189,7 +189,7 @@ def info(file):
     rows = [
         ("file", str(file)),
         ("format", f"kvpack v{header.format_version}, {header.file_bytes:,} bytes, tensor checksums "
-                   f"{ {C.CHECKSUM_XXH3: 'XXH3-128', C.CHECKSUM_SHA256: 'SHA-256'}[header.checksum]}"),
+                   f"{C.CHECKSUM_NAMES[header.checksum]}"),
         ("kvpack version", str(meta.get("kvpack_version", "?"))),
         ("model", str(fp.get("name") or "?")),
         ("  architecture", f"{fp.get('architecture', '?')} ({fp.get('model_type', '?')})"),

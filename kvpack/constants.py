@@ -36,6 +36,7 @@ __all__ = [
     "DEFAULT_CHECKSUM",
     "TENSOR_CHECKSUM_KEY",
     "CHECKSUM_HEX_LENGTH",
+    "CHECKSUM_NAMES",
     "METADATA_KEYS",
     "SINK_TOKENS_KEY",
     "INDEX_DTYPE",
@@ -181,7 +182,9 @@ DEFAULT_CHECKSUM = CHECKSUM_XXH3
 #: The ``__metadata__`` key holding the tensor checksums of each algorithm.
 TENSOR_CHECKSUM_KEY = {CHECKSUM_SHA256: META_TENSOR_SHA256, CHECKSUM_XXH3: META_TENSOR_XXH3}
 #: Lowercase hex digits of one tensor checksum of each algorithm.
-CHECKSUM_HEX_LENGTH = {CHECKSUM_SHA256: 64, CHECKSUM_XXH3: 32}
+CHECKSUM_HEX_LENGTH = {CHECKSUM_SHA256: SHA256_HEX_LENGTH, CHECKSUM_XXH3: 32}
+#: Each algorithm's name in messages and ``kvpack info``.
+CHECKSUM_NAMES = {CHECKSUM_SHA256: "SHA-256", CHECKSUM_XXH3: "XXH3-128"}
 
 # --- tensors ---------------------------------------------------------------------------------------------------
 TOKEN_IDS = "token_ids"

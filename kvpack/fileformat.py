@@ -40,7 +40,8 @@ from kvpack.errors import (
 from kvpack.pack import LayerEntries, Pack, QuantizedRows
 from kvpack.quant import layer_quant_problem, split_lengths, value_group_size
 
-__all__ = ["TensorCodec", "TensorInfo", "PackHeader", "pack_to_bytes", "save", "load_pack", "read_header", "verify"]
+__all__ = ["TensorCodec", "TensorInfo", "PackHeader", "pack_to_bytes", "check_storage_args", "save", "load_pack",
+           "read_header", "verify"]
 
 Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]
 
@@ -197,12 +198,7 @@ def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
         problem = f"pack.metadata must not contain {C.SINK_TOKENS_KEY!r} (it is written from pack.sink_tokens)"
     if problem is not None:
         raise InputError(f"cannot write this pack: {problem}")
-    if isinstance(zstd_level, bool) or not isinstance(zstd_level, int) or not (
-            zstd_level == 0 or C.ZSTD_MIN_LEVEL <= zstd_level <= C.ZSTD_MAX_LEVEL):
-        raise InputError(f"zstd_level must be 0 (off) or an integer in [{C.ZSTD_MIN_LEVEL}, {C.ZSTD_MAX_LEVEL}], "
-                         f"got {zstd_level!r}")
-    if checksum not in C.CHECKSUMS:
-        raise InputError(f"checksum must be one of {', '.join(map(repr, C.CHECKSUMS))}, got {checksum!r}")
+    check_storage_args(zstd_level, checksum)
     try:
         kvpack_json = json.dumps({**pack.metadata, C.SINK_TOKENS_KEY: pack.sink_tokens}, **C.JSON_DUMPS_KWARGS)
     except (TypeError, ValueError) as exc:
@@ -264,6 +260,21 @@ def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
     if not text.startswith(C.MAGIC):
         raise RuntimeError("internal error: a __metadata__ key sorts before 'format', so the header lost its magic")
     return len(text).to_bytes(C.LENGTH_PREFIX_BYTES, "little") + text + b"".join(b for _, b in blobs)
+
+
+def check_storage_args(zstd_level: int, checksum: str) -> None:
+    """Check ``save``'s storage arguments before anything is computed or written.
+
+    Raises:
+        InputError: ``zstd_level`` is not 0 or an integer in ``[1, 22]``, or ``checksum`` is not ``"xxh3"`` or
+            ``"sha256"``; the message gives the allowed values.
+    """
+    if isinstance(zstd_level, bool) or not isinstance(zstd_level, int) or not (
+            zstd_level == 0 or C.ZSTD_MIN_LEVEL <= zstd_level <= C.ZSTD_MAX_LEVEL):
+        raise InputError(f"zstd_level must be 0 (off) or an integer in [{C.ZSTD_MIN_LEVEL}, {C.ZSTD_MAX_LEVEL}], "
+                         f"got {zstd_level!r}")
+    if checksum not in C.CHECKSUMS:
+        raise InputError(f"checksum must be one of {', '.join(map(repr, C.CHECKSUMS))}, got {checksum!r}")
 
 
 def save(pack: Pack, path: str | os.PathLike, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
@@ -439,8 +450,8 @@ def _load(source: Source) -> tuple[PackHeader, Pack]:
         if digest(data[b:e]) != sums[name]:
             section = name.rsplit(".", 1)[-1]
             raise ChecksumMismatchError(
-                f"{src.name}: section {section!r} (tensor {name!r}) does not match its {_ALGO_NAME[header.checksum]}: "
-                f"the file was altered or damaged; {_RECOPY}"
+                f"{src.name}: section {section!r} (tensor {name!r}) does not match its "
+                f"{C.CHECKSUM_NAMES[header.checksum]}: the file was altered or damaged; {_RECOPY}"
             )
     decompressor = _decompressor(header)
     t = {name: _tensor(data, info, src.name, name, decompressor) for name, info in header.tensors.items()}
@@ -667,7 +678,7 @@ def _parse_header(src: _Source) -> tuple[PackHeader, dict[str, str]]:
     if canonical is None:
         raise corrupt("the header is not in canonical form (sorted keys, compact, ASCII, space padding)")
     stored = meta[C.META_HEADER_SHA256]
-    if not _is_sha256(stored):
+    if not _is_digest(stored, C.CHECKSUM_SHA256):
         raise corrupt(f"{C.META_HEADER_SHA256!r} is not a lowercase hex SHA-256")
     if _sha256(_unsigned_canonical(canonical, obj, v, stored)) != stored:
         raise ChecksumMismatchError(
@@ -686,10 +697,9 @@ def _parse_header(src: _Source) -> tuple[PackHeader, dict[str, str]]:
     tokens = tensors[C.TOKEN_IDS].shape[0]
     if type(sink) is not int or not 0 <= sink <= tokens:
         raise corrupt(f"{C.SINK_TOKENS_KEY!r} is missing or not an integer in [0, {tokens}] (the number of tokens)")
-    pattern = _HEX_DIGEST[checksum]
     if (not isinstance(sums, dict) or set(sums) != set(tensors)
-            or not all(isinstance(x, str) and pattern.fullmatch(x) for x in sums.values())):
-        raise corrupt(f"{sums_key!r} must map exactly the tensor names to lowercase hex {_ALGO_NAME[checksum]}s")
+            or not all(_is_digest(x, checksum) for x in sums.values())):
+        raise corrupt(f"{sums_key!r} must map exactly the tensor names to lowercase hex {C.CHECKSUM_NAMES[checksum]}s")
     header = PackHeader(version, kv, tensors, C.LENGTH_PREFIX_BYTES + n, size, quant_type, group_size, checksum)
     return header, sums
 
@@ -1041,20 +1051,18 @@ def _is_int_tensor(x: Any) -> bool:
     return not (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool)
 
 
-_SHA256_HEX = re.compile(f"[0-9a-f]{{{C.SHA256_HEX_LENGTH}}}")
-#: Tensor checksum algorithm -> hex digest function, the pattern of its digest, and its name in messages.
-_DIGESTS = {C.CHECKSUM_SHA256: lambda data: hashlib.sha256(data).hexdigest(), C.CHECKSUM_XXH3: xxhash.xxh3_128_hexdigest}
-_HEX_DIGEST = {a: re.compile(f"[0-9a-f]{{{n}}}") for a, n in C.CHECKSUM_HEX_LENGTH.items()}
-_ALGO_NAME = {C.CHECKSUM_SHA256: "SHA-256", C.CHECKSUM_XXH3: "XXH3-128"}
-
-
-def _is_sha256(x: Any) -> bool:
-    """Whether ``x`` is a SHA-256 in lowercase hex (64 characters)."""
-    return isinstance(x, str) and _SHA256_HEX.fullmatch(x) is not None
-
-
 def _sha256(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+#: Checksum algorithm -> its hex digest function, and the pattern of that digest.
+_DIGESTS = {C.CHECKSUM_SHA256: _sha256, C.CHECKSUM_XXH3: xxhash.xxh3_128_hexdigest}
+_HEX_DIGEST = {a: re.compile(f"[0-9a-f]{{{n}}}") for a, n in C.CHECKSUM_HEX_LENGTH.items()}
+
+
+def _is_digest(x: Any, checksum: str) -> bool:
+    """Whether ``x`` is a digest of ``checksum`` (``"sha256"``: 64, ``"xxh3"``: 32 lowercase hex characters)."""
+    return isinstance(x, str) and _HEX_DIGEST[checksum].fullmatch(x) is not None
 
 
 def _canonical(obj: Any) -> bytes:

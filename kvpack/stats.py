@@ -28,8 +28,8 @@ import torch
 
 from .model import ModelSpec
 
-__all__ = ["AttentionRecorder", "attention_with_column_sums", "one_pass_attention", "one_pass_applies", "column_sums", "window_sums",
-           "visible_mask", "SUM_BLOCK_ELEMENTS", "ONE_PASS_BLOCK_ELEMENTS"]
+__all__ = ["AttentionRecorder", "attention_with_column_sums", "one_pass_attention", "one_pass_applies", "column_sums",
+           "window_sums", "visible_mask", "SUM_BLOCK_ELEMENTS", "ONE_PASS_BLOCK_ELEMENTS"]
 
 #: Entries of one block of probabilities when column sums are summed explicitly (64 MB of float32).
 SUM_BLOCK_ELEMENTS = 16 * 2**20
@@ -83,7 +83,8 @@ def one_pass_applies(query: torch.Tensor, kv_len: int, window: int | None) -> bo
 def attention_with_column_sums(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of a prefill chunk and the attention each key receives, from the same probabilities
-    (H2O's and D2O's statistic; ``one_pass_attention`` with ``column_sums=True``).
+    (the statistic of H2O, arXiv 2306.14048 §3, and D2O, arXiv 2406.13035 §3.1; ``one_pass_attention`` with
+    ``column_sums=True``).
 
     Args:
         query: ``[1, heads, q, head_dim]``, the last ``q`` positions of the keys (a prefill chunk).

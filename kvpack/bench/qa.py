@@ -48,7 +48,8 @@ class QAContext:
 
 
 @torch.inference_mode()
-def full_cache_answer(model, tokenizer, text: str, question: str, max_new_tokens: int = tasks.ANSWER_MAX_NEW_TOKENS) -> tuple[str, float]:
+def full_cache_answer(model, tokenizer, text: str, question: str,
+                      max_new_tokens: int = tasks.ANSWER_MAX_NEW_TOKENS) -> tuple[str, float]:
     """``(answer, seconds)``: greedy answer of plain transformers with the ordinary full cache.
 
     The sequence is kvpack's layout (chat-template prefix, context, blank line, question, end of turn), prefilled
@@ -67,8 +68,8 @@ def full_cache_answer(model, tokenizer, text: str, question: str, max_new_tokens
 
 
 def answer_variants(model, tokenizer, ctx: QAContext, variants: list[Variant], folder, *, chunk_size: int,
-                    group_size: int, zstd_level: int, max_new_tokens: int = tasks.ANSWER_MAX_NEW_TOKENS, full_reference: bool = True
-                    ) -> list[dict]:
+                    group_size: int, zstd_level: int, max_new_tokens: int = tasks.ANSWER_MAX_NEW_TOKENS,
+                    full_reference: bool = True) -> list[dict]:
     """Rows for one context: the full-cache reference, then every variant, each asked every question in turn.
 
     Variants of the same (method, query-awareness) share one prefill and scoring pass (``build_variants``); each
