@@ -42,6 +42,8 @@ __all__ = [
     "dequantize_keys",
     "dequantize_values",
     "split_lengths",
+    "quantize_groups",
+    "body_row_mask",
     "quantize_layer",
     "head_row_pieces",
     "dequantize_layer",
@@ -168,8 +170,15 @@ def _to_f16(x: torch.Tensor, mode: str) -> torch.Tensor:
 # the group codec
 
 
-def _quantize_groups(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric min/max quantization of each row of ``x`` ``[m, g]``: codes uint8 ``[m, g]``, scale, min ``[m]``."""
+def quantize_groups(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max quantization of each row of ``x`` ``[m, g]`` (one group a row) to codes ``0 .. levels``.
+
+    Returns codes uint8 ``[m, g]`` and float16 ``scale``, ``min`` ``[m]``, chosen as the module docstring says
+    (every element within ``scale / 2`` of ``code x scale + min``). ``levels`` <= 255.
+
+    Raises:
+        InputError: ``x`` holds NaN or infinity.
+    """
     x = x.double()
     if x.numel() and not bool(torch.isfinite(x).all()):
         raise InputError("cannot quantize keys or values that contain NaN or infinity")
@@ -211,7 +220,7 @@ def quantize_keys(keys: torch.Tensor, qtype: str, group_size: int
     spec = check_quant_args(qtype, group_size, head_dim=keys.shape[1])
     q, d = keys.shape
     groups = keys.reshape(q // group_size, group_size, d).transpose(1, 2).reshape(-1, group_size)  # [Q/G*D, G]
-    codes, scales, mins = _quantize_groups(groups, spec.levels)
+    codes, scales, mins = quantize_groups(groups, spec.levels)
     codes = codes.reshape(q // group_size, d, group_size).transpose(1, 2).reshape(q, d)
     return pack_codes(codes, qtype), scales.reshape(q // group_size, d), mins.reshape(q // group_size, d)
 
@@ -237,7 +246,7 @@ def quantize_values(values: torch.Tensor, qtype: str, group_size: int
     q, dv = values.shape
     spec = check_quant_args(qtype, group_size, head_dim_v=dv)
     gv = value_group_size(group_size, dv)
-    codes, scales, mins = _quantize_groups(values.reshape(-1, gv), spec.levels)
+    codes, scales, mins = quantize_groups(values.reshape(-1, gv), spec.levels)
     return pack_codes(codes.reshape(q, dv), qtype), scales.reshape(q, dv // gv), mins.reshape(q, dv // gv)
 
 
@@ -295,8 +304,9 @@ def split_lengths(positions: torch.Tensor, head_lengths: torch.Tensor, sink_toke
     return sink, body, lengths - sink - body
 
 
-def _row_masks(head_lengths: torch.Tensor, sink: torch.Tensor, body: torch.Tensor) -> torch.Tensor:
-    """``[entries]`` bool: which rows (heads back to back) are body rows."""
+def body_row_mask(head_lengths: torch.Tensor, sink: torch.Tensor, body: torch.Tensor) -> torch.Tensor:
+    """``[entries]`` bool: which rows of a layer (heads back to back, ``head_lengths`` ``[kv_heads]``) are body rows,
+    given each head's ``sink`` and ``body`` row counts ``[kv_heads]`` (``split_lengths``)."""
     lengths = head_lengths.to(torch.int64)
     head_of_row = torch.repeat_interleave(torch.arange(lengths.shape[0]), lengths)
     starts = torch.cumsum(lengths, 0) - lengths
@@ -324,7 +334,7 @@ def quantize_layer(entries: LayerEntries, sink_tokens: int, qtype: str, group_si
     d, dv = entries.keys.shape[1], entries.values.shape[1]
     check_quant_args(qtype, group_size, d, dv)
     sink, body, _ = split_lengths(entries.positions, entries.head_lengths, sink_tokens, group_size)
-    is_body = _row_masks(entries.head_lengths, sink, body)
+    is_body = body_row_mask(entries.head_lengths, sink, body)
     kc, ks, km = quantize_keys(entries.keys[is_body], qtype, group_size)
     vc, vs, vm = quantize_values(entries.values[is_body], qtype, group_size)
     quant = QuantizedRows(qtype, int(group_size), sink, body, kc, ks, km, vc, vs, vm)

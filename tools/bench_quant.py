@@ -24,6 +24,10 @@ They show which half of the cache the accuracy loss comes from. With ``--key-lay
 quantizing the keys are asked too, each with the values as ``--quant``: keys per token (groups along head_dim,
 like the values), keys per channel in groups of half ``--group-size`` tokens, and keys un-rotated to before RoPE,
 quantized per channel and rotated back (KVQuant, arXiv 2401.18079 §3.2; Llama-style rotary models only).
+With ``--bit-allocation`` the keys are quantized per channel as in the file, but each KV head's channels get their
+own code widths (2 to 8 bits, ``--quant``'s bits on average over the head's channels), chosen where the context's
+own queries would see the error (``allocate_key_bits``); values as ``--quant``. It measures what a future quant
+type could gain at the same code bits; no file format stores it yet.
 
     python tools/bench_quant.py --tokens 4096 --trials 50            # the figures for BENCHMARKS.md
     python tools/bench_quant.py --tokens 4096 --trials 300 --ablation --key-layouts
@@ -50,7 +54,7 @@ from kvpack.fileformat import load_pack, pack_to_bytes  # noqa: E402
 from kvpack.loading import cache_from_pack  # noqa: E402
 from kvpack.model import model_spec  # noqa: E402
 from kvpack.pack import LayerEntries, Pack  # noqa: E402
-from kvpack.quant import dequantize_layer, quantize_pack  # noqa: E402
+from kvpack.quant import body_row_mask, dequantize_layer, quantize_groups, quantize_pack, split_lengths  # noqa: E402
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -104,6 +108,72 @@ def key_layout_keys(model, base: Pack, qtype: str, group_size: int) -> dict[str,
     return out
 
 
+@torch.inference_mode()
+def query_channel_energy(model, token_ids: torch.Tensor) -> list[torch.Tensor]:
+    """Per layer, ``[kv_heads, head_dim]`` float64: the mean of ``q_c**2`` over the context's queries (after RoPE,
+    over the query heads of each GQA group), from one plain forward with hooks on ``q_proj`` (Llama-style
+    attention with ``model.model.rotary_emb``)."""
+    captured = {}
+    layers = model.model.layers
+    hooks = [layer.self_attn.q_proj.register_forward_hook(lambda _m, _i, out, l=l: captured.__setitem__(l, out[0]))
+             for l, layer in enumerate(layers)]
+    try:
+        model.model(input_ids=token_ids.long()[None].to(model.device), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    spec = model_spec(model)
+    tokens = token_ids.shape[0]
+    cos, sin = model.model.rotary_emb(torch.zeros(1), torch.arange(tokens)[None])
+    out = []
+    for l in range(len(layers)):
+        q = captured[l].float().cpu().view(tokens, spec.num_heads, spec.head_dim).transpose(0, 1)
+        half = spec.head_dim // 2
+        q = q * cos[0] + torch.cat([-q[..., half:], q[..., :half]], dim=-1) * sin[0]
+        out.append(q.double().pow(2).reshape(spec.num_kv_heads, -1, spec.head_dim).mean(dim=1))
+    return out
+
+
+def allocate_key_bits(weights: torch.Tensor, mean_bits: int, low: int = 2, high: int = 8) -> torch.Tensor:
+    """Integer code widths ``[channels]`` in ``[low, high]`` summing to ``mean_bits x channels`` that minimise
+    ``sum_c weights[c] x 4**-bits[c]`` (greedy: each extra bit goes where it removes the most weighted error;
+    the classic rate-distortion allocation, error variance ~ step**2 ~ 4**-bits)."""
+    bits = torch.full(weights.shape, low, dtype=torch.int64)
+    for _ in range((mean_bits - low) * weights.numel()):
+        gain = torch.where(bits < high, weights * 4.0 ** (-bits.double()), torch.full_like(weights, -1.0))
+        bits[int(gain.argmax())] += 1
+    return bits
+
+
+def bit_allocated_keys(base: Pack, energy: list[torch.Tensor], bits: int, group_size: int) -> list[torch.Tensor]:
+    """Each layer's keys with the quantized body rows (``kvpack.quant.split_lengths``) replaced by per-channel
+    codes of per-head widths (``allocate_key_bits``, weights: query energy x mean squared group range), groups of
+    ``group_size`` rows per channel as in the file; dequantized, in ``base``'s dtype."""
+    out = []
+    for ent, e in zip(base.layers, energy):
+        sink, body, _ = split_lengths(ent.positions, ent.head_lengths, base.sink_tokens, group_size)
+        is_body = body_row_mask(ent.head_lengths, sink, body)
+        keys = ent.keys.clone()
+        rows, start, pieces = keys[is_body].double(), 0, []
+        for h, b in enumerate(body.tolist()):
+            w = rows[start : start + b]
+            start += b
+            if b == 0:
+                pieces.append(w)
+                continue
+            groups = w.T.reshape(w.shape[1], -1, group_size)  # [channels, groups, G]
+            ranges = (groups.amax(-1) - groups.amin(-1)).pow(2).mean(dim=1)
+            widths = allocate_key_bits(e[h] * ranges, bits)
+            deq = torch.empty_like(w)
+            for c in range(w.shape[1]):
+                codes, scales, mins = quantize_groups(groups[c], 2 ** int(widths[c]) - 1)
+                deq[:, c] = (codes.double() * scales.double()[:, None] + mins.double()[:, None]).reshape(-1)
+            pieces.append(deq)
+        keys[is_body] = torch.cat(pieces).to(keys.dtype)
+        out.append(keys)
+    return out
+
+
 def fp16_kv_bytes(model, tokens: int) -> int:
     """layers x kv_heads x tokens x head_dim x 2 (K, V) x 2 bytes."""
     spec = model_spec(model)
@@ -131,6 +201,8 @@ def main() -> None:
                     help="also ask: --quant keys only, --quant values only, int8 keys + --quant values")
     ap.add_argument("--key-layouts", action="store_true",
                     help="also ask: keys per token, keys in half-size groups, pre-RoPE keys (values: --quant)")
+    ap.add_argument("--bit-allocation", action="store_true",
+                    help="also ask: keys with query-weighted per-channel code widths (mean: --quant's bits)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args()
 
@@ -145,6 +217,8 @@ def main() -> None:
         ablations += [f"{args.quant} keys per token", f"{args.quant} keys in groups of {max(1, args.group_size // 2)}"]
         if hasattr(getattr(model, "model", None), "rotary_emb"):
             ablations.append(f"{args.quant} keys pre-RoPE")
+    if args.bit_allocation:
+        ablations.append(f"{args.quant} keys with per-channel widths")
     correct = {q: [] for q in (C.QUANT_NONE, args.quant, *ablations)}
     answers = {q: [] for q in (C.QUANT_NONE, args.quant, *ablations)}
     full_kv, full_file, errors = [], [], []
@@ -178,6 +252,11 @@ def main() -> None:
                 values_only = mixed_pack(base, None, quantized)
                 variants += [with_keys(values_only, keys)
                              for keys in key_layout_keys(model, base, args.quant, args.group_size).values()]
+            if args.bit_allocation:
+                energy = query_channel_energy(model, base.token_ids)
+                variants.append(with_keys(mixed_pack(base, None, quantized),
+                                          bit_allocated_keys(base, energy, C.QUANT_TYPES[args.quant].bits,
+                                                             args.group_size)))
             for name, mixed in zip(ablations, variants):
                 answer = kvpack.generate(model, tok, cache_from_pack(mixed, model, tok), question,
                                          max_new_tokens=args.max_new_tokens)
