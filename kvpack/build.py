@@ -321,7 +321,7 @@ def build(contexts: Iterable[Context], model, tokenizer, *, out_dir: str | os.Pa
             tracker = _Progress(bar, tokens, stages=1 if ratio >= 1.0 else 2)
             pack = compress(model, tokenizer, ctx.text, method=method, ratio=ratio, chunk_size=chunk_size,
                             source_name=ctx.source_name, progress=tracker, quant=quant, group_size=group_size,
-                            **options)
+                            quant_layout=expected["quant"][2], **options)
             written = save(pack, path, zstd_level=zstd_level, checksum=checksum)
             tracker.finish()
             results.append(BuildResult(ctx.name, path, pack.original_tokens, pack.kept_entries(), written,
@@ -351,8 +351,15 @@ def _storage_settings(model, quant: str, group_size: int, zstd_level: int, check
         spec = model_spec(model)
         check_quant_args(quant, group_size, spec.head_dim, spec.head_dim, allowed_group_sizes=C.GROUP_SIZES)
     check_storage_args(zstd_level, checksum)
-    return {"quant": (quant, group_size) if quant != C.QUANT_NONE else (C.QUANT_NONE, None),
+    layout = quant_layout_for(checksum)
+    return {"quant": (quant, group_size, layout) if quant != C.QUANT_NONE else (C.QUANT_NONE, None, None),
             "zstd_level": zstd_level, "checksum": checksum}
+
+
+def quant_layout_for(checksum: str) -> str:
+    """The quantized layout a build writes: compact (format version 4) with XXH3-128 checksums; KIVI (version 2,
+    readable by kvpack 0.1) with SHA-256 ones, which ask for files older readers take."""
+    return C.QUANT_LAYOUT_COMPACT if checksum == C.CHECKSUM_XXH3 else C.QUANT_LAYOUT_KIVI
 
 
 def _comparable(fingerprint: Any) -> dict:
@@ -377,7 +384,8 @@ def _up_to_date(path: Path, text: str, expected: dict) -> PackHeader | None:
         return None
     if _comparable(meta.get("fingerprint")) != expected["fingerprint"]:
         return None
-    if (header.quant_type, header.group_size) != expected["quant"] or header.zstd_level != expected["zstd_level"]:
+    stored = (header.quant_type, header.group_size, header.quant_layout)
+    if stored != expected["quant"] or header.zstd_level != expected["zstd_level"]:
         return None
     if header.checksum != expected["checksum"]:
         return None

@@ -127,15 +127,17 @@ def _method_params(method: str, given: dict) -> dict:
 @click.option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE, show_default=True,
               help="Tokens per prefill and scoring chunk (bounds memory).")
 @click.option("--quant", type=click.Choice(C.QUANT_CHOICES), default=C.QUANT_NONE, show_default=True,
-              help="Quantize the kept KV (KIVI layout: keys per channel, values per token; the attention sink and "
-                   "each head's last partial group stay in full precision).")
+              help="Quantize the kept KV: keys per channel, values per token (KIVI grouping); the attention sink "
+                   "stays in full precision. With --checksum xxh3 the compact layout (format v4: key code widths "
+                   "per channel chosen from the context's queries, 8-bit group parameters); with sha256 the "
+                   "KIVI layout of format v2.")
 @click.option("--group-size", type=click.Choice([str(g) for g in C.GROUP_SIZES]), default=str(C.DEFAULT_GROUP_SIZE),
               show_default=True, help="Quantization group: tokens per key scale, channels per value scale.")
 @click.option("--zstd-level", type=click.IntRange(0, C.ZSTD_MAX_LEVEL), default=C.DEFAULT_ZSTD_LEVEL,
               show_default=True, help="zstd-compress each tensor at this level (0: off).")
 @click.option("--checksum", type=click.Choice(C.CHECKSUMS), default=C.DEFAULT_CHECKSUM, show_default=True,
               help="Tensor checksum: xxh3 (XXH3-128, fast to verify; detects damage, not tampering) or sha256 "
-                   "(cryptographic; with --quant none --zstd-level 0 the file is readable by kvpack 0.1).")
+                   "(cryptographic; files readable by kvpack 0.1: v1 with --quant none --zstd-level 0, else v2).")
 @click.option("--overwrite", is_flag=True, help="Rebuild packs that are already up to date (a pack built with other "
                                                 "settings is always rebuilt and replaced).")
 @_method_options
@@ -205,8 +207,7 @@ def info(file):
         ("method", f"{meta.get('method', '?')}"
                    + (f" ({', '.join(f'{k}={v}' for k, v in sorted(params.items()))})" if params else "")),
         ("ratio", str(meta.get("ratio", "?"))),
-        ("quantization", (f"{header.quant_type}, group size {header.group_size} (keys per channel, values per "
-                          "token; sink and residual rows in full precision)") if header.group_size else "none"),
+        ("quantization", _quantization(header, pack)),
         ("zstd", (f"level {header.zstd_level}: {header.file_bytes:,} bytes on disk, "
                   f"{header.header_bytes + header.raw_bytes:,} decoded") if header.zstd_level else "off"),
         ("tokens", f"{pack.original_tokens:,} ({pack.sink_tokens:,} sink + "
@@ -247,6 +248,22 @@ def info(file):
 
 def _num(x) -> str:
     return f"{x:.4g}" if isinstance(x, (int, float)) and not isinstance(x, bool) else "?"
+
+
+def _quantization(header, pack) -> str:
+    """The ``quantization`` row of ``kvpack info``: type, group size, layout (compact: the key code widths)."""
+    if not header.group_size:
+        return "none"
+    import torch
+
+    head = f"{header.quant_type}, group size {header.group_size}"
+    if header.quant_layout != C.QUANT_LAYOUT_COMPACT:
+        return f"{head}, KIVI layout (keys per channel, values per token; sink and residual rows in full precision)"
+    widths = torch.cat([l.quant.key_bits.reshape(-1) for l in pack.layers if l.quant is not None]).long()
+    counts = torch.bincount(widths, minlength=C.MAX_KEY_BITS + 1)
+    spread = ", ".join(f"{int(n)}x{b}" for b, n in enumerate(counts.tolist()) if n)
+    return (f"{head}, compact layout (key code widths per channel: {spread} bits over all heads; 8-bit group "
+            "parameters; sink rows in full precision)")
 
 
 def _kept(pack, stats: dict) -> str:

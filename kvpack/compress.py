@@ -17,9 +17,10 @@ from .methods.base import gather
 from .model import model_spec
 from .pack import Pack
 from .prefill import prefill
+from .stats import AttentionRecorder
 from .quant import check_quant_args, quantize_pack
 
-__all__ = ["compress", "assemble_pack", "DEFAULT_RATIO", "DEFAULT_CHUNK_SIZE"]
+__all__ = ["compress", "assemble_pack", "prefill_recorder", "DEFAULT_RATIO", "DEFAULT_CHUNK_SIZE"]
 
 DEFAULT_RATIO = 0.3
 DEFAULT_CHUNK_SIZE = 2048
@@ -28,7 +29,7 @@ DEFAULT_CHUNK_SIZE = 2048
 def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float = DEFAULT_RATIO,
              chunk_size: int = DEFAULT_CHUNK_SIZE, source_name: str = "<text>",
              progress: Callable[[int], None] | None = None, quant: str = C.QUANT_NONE,
-             group_size: int = C.DEFAULT_GROUP_SIZE, **options) -> Pack:
+             group_size: int = C.DEFAULT_GROUP_SIZE, quant_layout: str = C.DEFAULT_QUANT_LAYOUT, **options) -> Pack:
     """Compress the KV cache of ``text`` for ``model`` (query-agnostic: any later question can be asked).
 
     The text is laid out as the start of a chat user turn (``kvpack.layout``); the template prefix is the
@@ -48,10 +49,14 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
         source_name: recorded in the pack (the file name for ``kvpack build``).
         progress: called with the number of context tokens processed, per stage.
         quant: ``"none"`` (default), ``"int8"`` or ``"int4"``: after selection, quantize each head's kept entries
-            except the attention sink and the last ``(n - sink) mod group_size`` (KIVI layout, arXiv 2402.02750;
-            ``kvpack.quant``); the per-layer max and mean absolute errors go to ``metadata["stats"]["quant_error"]``.
+            except the attention sink (KIVI grouping, arXiv 2402.02750; ``kvpack.quant``); the per-layer max and mean
+            absolute errors go to ``metadata["stats"]["quant_error"]``.
         group_size: quantization group ``G``: 32 (default), 64 or 128 tokens per key group; values use
             ``min(G, head_dim)`` channels per group.
+        quant_layout: ``"compact"`` (default; format version 4, ``kvpack.compact``: key code widths per channel
+            chosen from the context's own queries, recorded during the prefill; 8-bit group parameters) or
+            ``"kivi"`` (versions 2-3: one width, float16 parameters, each head's last partial group in full
+            precision).
         **options: the method's parameters (see its class docstring); a method with a ``chunk_size``
             parameter (KVzip) defaults it to ``chunk_size``.
 
@@ -60,7 +65,7 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
 
     Raises:
         InputError: empty text, ratio outside (0, 1], chunk_size < 1, unknown method or option, unknown quant,
-            group size not in (32, 64, 128) or not fitting the head size.
+            group size not in (32, 64, 128) or not fitting the head size, unknown quant layout.
         UnsupportedModelError: the model's architecture is not supported.
     """
     if not isinstance(text, str) or not text.strip():
@@ -70,10 +75,13 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise InputError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}")
     scorer = get_method(method, {"chunk_size": chunk_size}, **options)
+    layout_name = quant_layout
     ratio = scorer.kept_ratio(ratio)
     spec = model_spec(model)
     if quant != C.QUANT_NONE:
         check_quant_args(quant, group_size, spec.head_dim, spec.head_dim, allowed_group_sizes=C.GROUP_SIZES)
+        if quant_layout not in C.QUANT_LAYOUTS:
+            raise InputError(f"unknown quantization layout {quant_layout!r}; use one of {list(C.QUANT_LAYOUTS)}")
     layout = chat_layout(tokenizer)
     prefix_ids = layout.prefix_ids(tokenizer)
     context_ids = layout.encode(tokenizer, text)
@@ -89,8 +97,8 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
                          "sliding window, which every layer uses; split the document")
     compressing = ratio < 1.0
     device = next(model.parameters()).device
-    recorder = scorer.recorder(spec, len(token_ids), device) if compressing else None
-    observed = scorer.observed_ids(tokenizer, layout) if recorder is not None else None
+    recorder, observed = prefill_recorder(scorer, spec, len(token_ids), device, tokenizer, layout, compressing,
+                                          quant != C.QUANT_NONE and layout_name == C.QUANT_LAYOUT_COMPACT)
     full = prefill(model, token_ids, len(prefix_ids), layout, spec, chunk_size, progress, recorder, observed)
     if compressing:
         scores = scorer.score(model, tokenizer, full, progress)
@@ -98,7 +106,22 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
     else:
         keep = torch.ones(len(spec.compressed_layers), spec.num_kv_heads, full.context_tokens, dtype=torch.bool)
     pack = assemble_pack(model, tokenizer, text, scorer, ratio, full, keep, source_name)
-    return quantize_pack(pack, quant, group_size)
+    energy = recorder.mean_query_energy() if recorder is not None else None
+    return quantize_pack(pack, quant, group_size, layout_name, energy)
+
+
+def prefill_recorder(scorer, spec, tokens: int, device, tokenizer, layout, compressing: bool, query_energy: bool
+                     ) -> tuple[AttentionRecorder | None, list[int] | None]:
+    """The ``AttentionRecorder`` a prefill of ``tokens`` tokens needs, and the observation tokens fed after the
+    context: the method's statistics when ``compressing`` (``Method.recorder``, ``Method.observed_ids``), plus the
+    query energy when ``query_energy`` (the compact quantized layout's key code widths, ``kvpack.compact``).
+    ``(None, None)`` when nothing is recorded."""
+    recorder = scorer.recorder(spec, tokens, device) if compressing else None
+    observed = scorer.observed_ids(tokenizer, layout) if recorder is not None else None
+    if query_energy:
+        recorder = recorder or AttentionRecorder(spec, tokens, device=device)
+        recorder.track_query_energy()
+    return recorder, observed
 
 
 def assemble_pack(model, tokenizer, text: str, scorer, ratio: float, full, keep: torch.Tensor,

@@ -83,6 +83,20 @@ __all__ = [
     "VALUE_SCALES",
     "VALUE_MINS",
     "QUANT_PARTS",
+    "QUANT_INFO_KEYS_V4",
+    "QUANT_LAYOUT_KIVI",
+    "QUANT_LAYOUT_COMPACT",
+    "QUANT_LAYOUTS",
+    "DEFAULT_QUANT_LAYOUT",
+    "KEY_BITS",
+    "KEY_PARAMS",
+    "VALUE_PARAMS",
+    "QUANT_GRID",
+    "COMPACT_PARTS",
+    "MIN_KEY_BITS",
+    "MAX_KEY_BITS",
+    "ALLOCATED_KEY_BITS",
+    "FORMAT_VERSION_V4",
     "QUANT_CODE_CODE",
     "QUANT_PARAM_CODE",
     "QUANT_PARAM_MAX",
@@ -108,9 +122,9 @@ FORMAT_NAME = "kvpack"
 #: The newest version this code writes (``__metadata__["format_version"]`` is its decimal string). A file
 #: declares the *lowest* version whose features it uses: ``FORMAT_VERSION_PLAIN`` without quantization, zstd
 #: and XXH3 checksums.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 #: The newest version this code reads; newer files raise ``UnsupportedVersionError``.
-MAX_READABLE_VERSION = 3
+MAX_READABLE_VERSION = 4
 #: Version of a file with neither quantized layers nor encoded tensors (byte-identical to kvpack 0.1's files).
 FORMAT_VERSION_PLAIN = 1
 #: Version of a file that uses quantization (``META_QUANT``) or encoded tensors (``META_TENSOR_CODECS``).
@@ -118,6 +132,9 @@ FORMAT_VERSION_V2 = 2
 #: Version of a file whose tensor checksums are XXH3-128 (``META_TENSOR_XXH3``) instead of SHA-256; it may also
 #: use the version-2 features.
 FORMAT_VERSION_V3 = 3
+#: Version of a file whose quantized layers use the compact layout (``QUANT_LAYOUT_COMPACT``); it has XXH3-128
+#: tensor checksums like version 3 and may use the version-2 features.
+FORMAT_VERSION_V4 = 4
 #: Conventional file name suffix.
 FILE_SUFFIX = ".kvpack"
 
@@ -253,8 +270,18 @@ GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
 #: Largest group size a reader accepts (any integer in ``[1, MAX_GROUP_SIZE]`` is a valid file).
 MAX_GROUP_SIZE = 65536
-#: Keys of the ``META_QUANT`` object.
+#: Keys of the ``META_QUANT`` object (versions 2 and 3: the KIVI layout).
 QUANT_INFO_KEYS = ("group_size", "type")
+#: Keys of the ``META_QUANT`` object of a version-4 file (``layout`` is ``QUANT_LAYOUT_COMPACT``).
+QUANT_INFO_KEYS_V4 = ("group_size", "layout", "type")
+#: Quantized layouts (``format/SPEC.md`` §5.4 and §5.6). KIVI: float16 group parameters, one code width, each head's
+#: last partial key group in full precision (versions 2 and 3). Compact: per-channel key code widths, 8-bit group
+#: parameters on per-layer grids, every non-sink row of a head with at least one group quantized (version 4).
+QUANT_LAYOUT_KIVI = "kivi"
+QUANT_LAYOUT_COMPACT = "compact"
+QUANT_LAYOUTS = (QUANT_LAYOUT_COMPACT, QUANT_LAYOUT_KIVI)
+#: What ``kvpack.compress`` and ``quantize_pack`` use unless told otherwise.
+DEFAULT_QUANT_LAYOUT = QUANT_LAYOUT_COMPACT
 #: Per-layer tensors of a quantized file (besides ``LAYER_PARTS``): codes are ``U8``, scales and mins ``F16``.
 KEY_CODES = "key_codes"
 KEY_SCALES = "key_scales"
@@ -263,6 +290,19 @@ VALUE_CODES = "value_codes"
 VALUE_SCALES = "value_scales"
 VALUE_MINS = "value_mins"
 QUANT_PARTS = (KEY_CODES, KEY_SCALES, KEY_MINS, VALUE_CODES, VALUE_SCALES, VALUE_MINS)
+#: Per-layer tensors of a compact-layout file (besides ``LAYER_PARTS``), all ``U8`` but the grid (``F32``):
+#: ``key_bits`` ``[kv_heads, head_dim]`` code widths; ``key_params`` ``[2, key groups, head_dim]`` and
+#: ``value_params`` ``[2, rows, head_dim_v / Gv]`` min and scale codes; ``quant_grid`` ``[3, head_dim + head_dim_v
+#: / Gv]`` each parameter column's min base, min step and scale base.
+KEY_BITS = "key_bits"
+KEY_PARAMS = "key_params"
+VALUE_PARAMS = "value_params"
+QUANT_GRID = "quant_grid"
+COMPACT_PARTS = (KEY_CODES, KEY_BITS, KEY_PARAMS, VALUE_CODES, VALUE_PARAMS, QUANT_GRID)
+#: Widths a compact key channel may have, in bits.
+MIN_KEY_BITS, MAX_KEY_BITS = 1, 8
+#: Widths the compact writer allocates from (``kvpack.compact.allocate_widths``).
+ALLOCATED_KEY_BITS = (2, 8)
 #: dtype code of the codes, and of the scales and mins.
 QUANT_CODE_CODE = "U8"
 QUANT_PARAM_CODE = "F16"

@@ -38,6 +38,7 @@ from kvpack.errors import (
     UnsupportedVersionError,
 )
 from kvpack.pack import LayerEntries, Pack, QuantizedRows
+from kvpack.compact import compact_problem, compact_split
 from kvpack.quant import layer_quant_problem, split_lengths, value_group_size
 
 __all__ = ["TensorCodec", "TensorInfo", "PackHeader", "pack_to_bytes", "check_storage_args", "save", "load_pack",
@@ -103,15 +104,17 @@ class PackHeader:
     """The validated header of a ``.kvpack`` file (what ``read_header`` and ``verify`` return).
 
     Attributes:
-        format_version: the file's format version: 3 with XXH3-128 tensor checksums; with SHA-256 ones, 2 when it
-            uses quantization or zstd, else 1.
+        format_version: the file's format version: 4 with compact-layout quantization, else 3 with XXH3-128
+            tensor checksums; with SHA-256 ones, 2 when it uses quantization or zstd, else 1.
         metadata: the kvpack metadata: ``Pack.metadata`` plus ``"sink_tokens"``.
         tensors: tensor name -> ``TensorInfo``, in data order.
         header_bytes: bytes before the data buffer (8-byte length prefix + padded JSON header).
         file_bytes: size of the whole file in bytes.
         quant_type: ``"none"``, ``"int8"`` or ``"int4"``.
         group_size: the quantization group size ``G``, or ``None`` when not quantized.
-        checksum: the tensor checksum algorithm, ``"xxh3"`` (version 3) or ``"sha256"`` (versions 1 and 2).
+        checksum: the tensor checksum algorithm, ``"xxh3"`` (versions 3, 4) or ``"sha256"`` (versions 1, 2).
+        quant_layout: ``"compact"`` (version 4), ``"kivi"`` (quantized versions 2, 3), or ``None`` when not
+            quantized.
     """
 
     format_version: int
@@ -122,6 +125,7 @@ class PackHeader:
     quant_type: str = C.QUANT_NONE
     group_size: int | None = None
     checksum: str = C.CHECKSUM_SHA256
+    quant_layout: str | None = None
 
     @property
     def zstd_level(self) -> int:
@@ -150,12 +154,13 @@ class PackHeader:
 
     def bytes_by_section(self) -> dict[str, int]:
         """Stored bytes per section: ``header``, ``token_ids``, ``head_lengths``, ``keys``, ``values``, ``positions``
-        and, in a quantized file, ``key_codes``, ``key_scales``, ``key_mins``, ``value_codes``, ``value_scales``,
-        ``value_mins``.
+        and, in a quantized file, its quantization parts (``constants.QUANT_PARTS`` for the KIVI layout,
+        ``constants.COMPACT_PARTS`` for the compact one).
 
         Layer tensors are summed over layers by part. The values add up to ``file_bytes``.
         """
-        out = dict.fromkeys(C.SECTIONS + (C.QUANT_PARTS if self.quant_type != C.QUANT_NONE else ()), 0)
+        parts = {None: (), C.QUANT_LAYOUT_KIVI: C.QUANT_PARTS, C.QUANT_LAYOUT_COMPACT: C.COMPACT_PARTS}
+        out = dict.fromkeys(C.SECTIONS + parts[self.quant_layout], 0)
         out[C.SECTION_HEADER] = self.header_bytes
         for name, info in self.tensors.items():
             out[name.rsplit(".", 1)[-1]] += info.nbytes
@@ -215,8 +220,8 @@ def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
         tensors[C.layer_tensor_name(l, C.VALUES)] = layer.values
         tensors[C.layer_tensor_name(l, C.POSITIONS)] = layer.positions.to(i32)
         if layer.quant is not None:
-            for part in C.QUANT_PARTS:
-                tensors[C.layer_tensor_name(l, part)] = getattr(layer.quant, part)
+            for part, tensor in layer.quant.parts().items():
+                tensors[C.layer_tensor_name(l, part)] = tensor
 
     stored, codecs = {}, {}
     for name, tensor in tensors.items():
@@ -239,7 +244,14 @@ def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
         blobs.append((name, blob))
         end += len(blob)
 
-    if checksum == C.CHECKSUM_XXH3:
+    compact = quant is not None and quant.layout == C.QUANT_LAYOUT_COMPACT
+    if compact and checksum != C.CHECKSUM_XXH3:
+        raise InputError("a pack quantized in the compact layout is written as format version 4, which uses XXH3-128 "
+                         "checksums; save it with checksum='xxh3', or quantize it with layout='kivi' for a "
+                         "version-2 file with SHA-256 checksums")
+    if compact:
+        version = C.FORMAT_VERSION_V4
+    elif checksum == C.CHECKSUM_XXH3:
         version = C.FORMAT_VERSION_V3
     else:
         version = C.FORMAT_VERSION_V2 if quant is not None or codecs else C.FORMAT_VERSION_PLAIN
@@ -251,7 +263,10 @@ def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
         C.TENSOR_CHECKSUM_KEY[checksum]: json.dumps({n: digest(b) for n, b in blobs}, **C.JSON_DUMPS_KWARGS),
     }
     if quant is not None:
-        meta[C.META_QUANT] = json.dumps({"group_size": quant.group_size, "type": quant.qtype}, **C.JSON_DUMPS_KWARGS)
+        info = {"group_size": quant.group_size, "type": quant.qtype}
+        if compact:
+            info["layout"] = C.QUANT_LAYOUT_COMPACT
+        meta[C.META_QUANT] = json.dumps(info, **C.JSON_DUMPS_KWARGS)
     if codecs:
         meta[C.META_TENSOR_CODECS] = json.dumps(codecs, **C.JSON_DUMPS_KWARGS)
     header = {C.METADATA_KEY: meta, **index}
@@ -459,20 +474,37 @@ def _load(source: Source) -> tuple[PackHeader, Pack]:
     sink = meta.pop(C.SINK_TOKENS_KEY)
     split = _checked_split(t, header, sink)
     all_lengths = t[C.HEAD_LENGTHS].to(torch.int64)
+    header_dims = (header.tensors[C.layer_tensor_name(0, C.KEYS)].shape[1],
+                   header.tensors[C.layer_tensor_name(0, C.VALUES)].shape[1])
     layers = []
     for l in range(header.num_layers):
         positions = t[C.layer_tensor_name(l, C.POSITIONS)]
         head_lengths = all_lengths[l]
         quant = None
         if header.group_size is not None:
+            compact = header.quant_layout == C.QUANT_LAYOUT_COMPACT
             if split is not None:
                 sinks, body = split[0][l], split[1][l]
             elif int(head_lengths.min()) >= 0 and int(head_lengths.sum()) == positions.shape[0]:
-                sinks, body, _ = split_lengths(positions, head_lengths, sink, header.group_size)
+                if compact:
+                    sinks, body = compact_split(positions, head_lengths, sink, header.group_size)
+                else:
+                    sinks, body, _ = split_lengths(positions, head_lengths, sink, header.group_size)
             else:  # _pack_problem reports the bad head lengths below
                 sinks = body = torch.zeros_like(head_lengths)
-            parts = [t[C.layer_tensor_name(l, part)] for part in C.QUANT_PARTS]
-            quant = QuantizedRows(header.quant_type, header.group_size, sinks, body, *parts)
+            if compact:
+                parts = {part: t[C.layer_tensor_name(l, part)] for part in C.COMPACT_PARTS}
+                quant = QuantizedRows(header.quant_type, header.group_size, sinks, body, parts[C.KEY_CODES], None,
+                                      None, parts[C.VALUE_CODES], None, None, layout=C.QUANT_LAYOUT_COMPACT,
+                                      key_bits=parts[C.KEY_BITS], key_params=parts[C.KEY_PARAMS],
+                                      value_params=parts[C.VALUE_PARAMS], quant_grid=parts[C.QUANT_GRID])
+                if split is not None:
+                    problem = compact_problem(quant, header_dims[0], header_dims[1])
+                    if problem is not None:
+                        raise CorruptFileError(f"{src.name}: layer {l}: {problem}; {_REBUILD}")
+            else:
+                parts = [t[C.layer_tensor_name(l, part)] for part in C.QUANT_PARTS]
+                quant = QuantizedRows(header.quant_type, header.group_size, sinks, body, *parts)
         layers.append(LayerEntries(
             keys=t[C.layer_tensor_name(l, C.KEYS)],
             values=t[C.layer_tensor_name(l, C.VALUES)],
@@ -496,7 +528,8 @@ def _checked_split(t: dict[str, torch.Tensor], header: PackHeader, sink: int
     ``t`` are the file's tensors (int32 ``token_ids``, ``head_lengths`` ``[layers, kv_heads]``, ``positions``; the
     header has validated every dtype and shape). Checks: token ids >= 0; per layer, head lengths >= 0 summing to
     the layer's entries, positions in ``[0, tokens)`` and strictly increasing within each head; for a quantized
-    file, that the body rows the layout rule gives (``split_lengths``) add up to each layer's quantized rows.
+    file, that the body rows the layout rule gives (``split_lengths``, or ``compact_split`` for the compact layout)
+    add up to each layer's quantized rows (and, compact, that its key groups add up to its key parameter rows).
 
     Returns ``None`` if any check fails (``_pack_problem`` then says which), else ``(sink_lengths, body_lengths)``:
     int64 ``[layers, kv_heads]`` (per ``split_lengths``; zeros for an unquantized file).
@@ -526,7 +559,13 @@ def _checked_split(t: dict[str, torch.Tensor], header: PackHeader, sink: int
     g = header.group_size
     below = np.concatenate([[0], np.cumsum(allpos < sink)])  # sink entries lead each head (positions increase)
     sinks = below[ends] - below[starts]
-    body = (flat - sinks) // g * g
+    if header.quant_layout == C.QUANT_LAYOUT_COMPACT:
+        body = np.where(flat - sinks >= g, flat - sinks, 0)
+        groups = ((body + g - 1) // g).reshape(layers, -1).sum(axis=1).tolist()
+        if groups != [t[C.layer_tensor_name(l, C.KEY_PARAMS)].shape[1] for l in range(layers)]:
+            return None
+    else:
+        body = (flat - sinks) // g * g
     rows = [t[C.layer_tensor_name(l, C.KEY_CODES)].shape[0] for l in range(layers)]
     if body.reshape(layers, -1).sum(axis=1).tolist() != rows:
         return None
@@ -608,6 +647,9 @@ def _parse_header(src: _Source) -> tuple[PackHeader, dict[str, str]]:
     if other:
         raise corrupt(f"a version-{version} file keeps its tensor checksums in {sums_key!r}, not {other[0]!r}")
     features = [k for k in C.METADATA_KEYS_V2 if k in meta]
+    if version == C.FORMAT_VERSION_V4 and C.META_QUANT not in meta:
+        raise corrupt(f"it declares format version {version} but has no {C.META_QUANT!r} (a version-{version} file "
+                      "is one with compact-layout quantization); a file must declare the lowest version it needs")
     if version < C.FORMAT_VERSION_V2 and features:
         raise corrupt(f"a version-{version} file cannot have {features[0]!r} (a version-{C.FORMAT_VERSION_V2} feature)")
     if version == C.FORMAT_VERSION_V2 and not features:
@@ -662,15 +704,20 @@ def _parse_header(src: _Source) -> tuple[PackHeader, dict[str, str]]:
         if expanded > max(C.EXPANSION_FLOOR_BYTES, C.MAX_EXPANSION * size):
             raise corrupt(f"its compressed tensors would decompress to {expanded} bytes, more than {C.MAX_EXPANSION} "
                           f"times the {size}-byte file: refusing a possible decompression bomb")
-    quant_type, group_size = C.QUANT_NONE, None
+    quant_type, group_size, layout = C.QUANT_NONE, None, None
     if C.META_QUANT in meta:
         q = _parse_json(meta[C.META_QUANT], corrupt)
-        if (not isinstance(q, dict) or set(q) != set(C.QUANT_INFO_KEYS) or q["type"] not in C.QUANT_TYPES
-                or not _is_int(q["group_size"]) or not 1 <= q["group_size"] <= C.MAX_GROUP_SIZE):
-            raise corrupt(f"{C.META_QUANT!r} must be {{\"group_size\": 1..{C.MAX_GROUP_SIZE}, \"type\": "
-                          f"{' or '.join(map(repr, C.QUANT_TYPES))}}}")
+        v4 = version >= C.FORMAT_VERSION_V4
+        keys = C.QUANT_INFO_KEYS_V4 if v4 else C.QUANT_INFO_KEYS
+        if (not isinstance(q, dict) or set(q) != set(keys) or q["type"] not in C.QUANT_TYPES
+                or not _is_int(q["group_size"]) or not 1 <= q["group_size"] <= C.MAX_GROUP_SIZE
+                or (v4 and q["layout"] != C.QUANT_LAYOUT_COMPACT)):
+            layout_key = f"\"layout\": {C.QUANT_LAYOUT_COMPACT!r}, " if v4 else ""
+            raise corrupt(f"{C.META_QUANT!r} must be {{\"group_size\": 1..{C.MAX_GROUP_SIZE}, {layout_key}\"type\": "
+                          f"{' or '.join(map(repr, C.QUANT_TYPES))}}} in a version-{version} file")
         quant_type, group_size = q["type"], q["group_size"]
-    problem = _index_problem(tensors, quant_type, group_size)
+        layout = C.QUANT_LAYOUT_COMPACT if v4 else C.QUANT_LAYOUT_KIVI
+    problem = _index_problem(tensors, quant_type, group_size, layout)
     if problem is not None:
         raise corrupt(problem)
 
@@ -700,7 +747,8 @@ def _parse_header(src: _Source) -> tuple[PackHeader, dict[str, str]]:
     if (not isinstance(sums, dict) or set(sums) != set(tensors)
             or not all(_is_digest(x, checksum) for x in sums.values())):
         raise corrupt(f"{sums_key!r} must map exactly the tensor names to lowercase hex {C.CHECKSUM_NAMES[checksum]}s")
-    header = PackHeader(version, kv, tensors, C.LENGTH_PREFIX_BYTES + n, size, quant_type, group_size, checksum)
+    header = PackHeader(version, kv, tensors, C.LENGTH_PREFIX_BYTES + n, size, quant_type, group_size, checksum,
+                        layout)
     return header, sums
 
 
@@ -901,7 +949,7 @@ def _is_shape(x: Any) -> bool:
 
 
 def _index_problem(tensors: dict[str, TensorInfo], quant_type: str = C.QUANT_NONE,
-                   group_size: int | None = None) -> str | None:
+                   group_size: int | None = None, layout: str | None = None) -> str | None:
     """Why the set of tensors, their dtypes or shapes do not describe a pack, or None."""
 
     def bad(tname: str, codes: tuple[str, ...], ndim: int) -> str | None:
@@ -921,7 +969,8 @@ def _index_problem(tensors: dict[str, TensorInfo], quant_type: str = C.QUANT_NON
     if layers < 1 or heads < 1:
         return f"{C.HEAD_LENGTHS!r} has shape {[layers, heads]}; at least one layer and one KV head are needed"
     quantized = quant_type != C.QUANT_NONE
-    parts = C.LAYER_PARTS + (C.QUANT_PARTS if quantized else ())
+    compact = layout == C.QUANT_LAYOUT_COMPACT
+    parts = C.LAYER_PARTS + ((C.COMPACT_PARTS if compact else C.QUANT_PARTS) if quantized else ())
     expected = {C.TOKEN_IDS, C.HEAD_LENGTHS} | {C.layer_tensor_name(l, p) for l in range(layers) for p in parts}
     extra = sorted(set(tensors) - expected)
     if extra:
@@ -938,7 +987,8 @@ def _index_problem(tensors: dict[str, TensorInfo], quant_type: str = C.QUANT_NON
             return f"layer {l}: head_dim/head_dim_v differ from layer 0's {list(dims)} or are 0"
         entries = tensors[k].shape[0]
         if quantized:
-            problem = _quant_index_problem(tensors, l, quant_type, group_size, dims)
+            problem = (_compact_index_problem if compact else _quant_index_problem)(tensors, l, quant_type,
+                                                                                   group_size, dims)
             if problem:
                 return problem
             entries += tensors[C.layer_tensor_name(l, C.KEY_CODES)].shape[0]
@@ -979,6 +1029,39 @@ def _quant_index_problem(tensors: dict[str, TensorInfo], l: int, quant_type: str
     return None
 
 
+def _compact_index_problem(tensors: dict[str, TensorInfo], l: int, quant_type: str, group_size: int,
+                           dims: tuple[int, int]) -> str | None:
+    """Why layer ``l``'s compact-layout tensors have wrong dtypes or shapes as far as the header tells (the key
+    groups and the widths' values are checked with the data: ``_checked_split``, ``compact_problem``), or None."""
+    spec = C.QUANT_TYPES[quant_type]
+    d, dv = dims
+    gv = value_group_size(group_size, dv)
+    if (d * spec.bits) % 8 or dv % spec.codes_per_byte or dv % gv:
+        return (f"head_dim {d} / head_dim_v {dv} cannot be {quant_type}-quantized with group size {group_size} "
+                f"(need whole bytes per row, and multiples of {gv} for head_dim_v)")
+    codes = tensors.get(C.layer_tensor_name(l, C.KEY_CODES))
+    rows = codes.shape[0] if codes is not None and len(codes.shape) == 2 else 0
+    params = tensors.get(C.layer_tensor_name(l, C.KEY_PARAMS))
+    groups = params.shape[1] if params is not None and len(params.shape) == 3 else 0
+    heads = tensors[C.HEAD_LENGTHS].shape[1]
+    want = {
+        C.KEY_CODES: (C.QUANT_CODE_CODE, (rows, d * spec.bits // 8)),
+        C.KEY_BITS: (C.QUANT_CODE_CODE, (heads, d)),
+        C.KEY_PARAMS: (C.QUANT_CODE_CODE, (2, groups, d)),
+        C.VALUE_CODES: (C.QUANT_CODE_CODE, (rows, dv // spec.codes_per_byte)),
+        C.VALUE_PARAMS: (C.QUANT_CODE_CODE, (2, rows, dv // gv)),
+        C.QUANT_GRID: ("F32", (3, d + dv // gv)),
+    }
+    for part, (code, shape) in want.items():
+        tname = C.layer_tensor_name(l, part)
+        info = tensors.get(tname)
+        if info is None:
+            return f"tensor {tname!r} is missing"
+        if info.dtype != code or info.shape != shape:
+            return f"tensor {tname!r} must be {code} {list(shape)}, not {info.dtype} {list(info.shape)}"
+    return None
+
+
 def _pack_problem(pack: Any) -> str | None:
     """Why ``pack`` is not a consistent Pack, or None.
 
@@ -1002,12 +1085,12 @@ def _pack_problem(pack: Any) -> str | None:
         if not isinstance(layer, LayerEntries):
             return f"layer {l} is not a LayerEntries"
         q = layer.quant
-        setting = (q.qtype, q.group_size) if isinstance(q, QuantizedRows) else q
+        setting = (q.qtype, q.group_size, q.layout) if isinstance(q, QuantizedRows) else q
         if l == 0:
             quant_setting = setting
         elif setting != quant_setting:
             return (f"layer {l} is quantized as {setting}, layer 0 as {quant_setting}; all layers must share one "
-                    "quantization type and group size (or none)")
+                    "quantization type, group size and layout (or none)")
         k, v, p, hl = layer.keys, layer.values, layer.positions, layer.head_lengths
         for what, x in (("keys", k), ("values", v)):
             if not isinstance(x, torch.Tensor) or x.dim() != 2 or C.CODE_BY_DTYPE.get(x.dtype) not in C.FLOAT_CODES:

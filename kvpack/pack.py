@@ -8,7 +8,8 @@ zero entries. Keys are stored as cached, i.e. after RoPE at their original posit
 
 A quantized layer (``LayerEntries.quant`` set, ``kvpack.quant``) keeps the same ``positions`` and ``head_lengths``
 but splits each head's rows: the sink rows and the trailing residual rows stay in ``keys``/``values`` (full
-precision), the body rows in between are in ``quant`` as int8/int4 codes with float16 scales and mins.
+precision), the body rows in between are in ``quant`` as int8/int4 codes with their group parameters
+(``QuantizedRows``: the KIVI layout of format versions 2-3, or the compact layout of version 4).
 """
 
 from __future__ import annotations
@@ -23,23 +24,40 @@ __all__ = ["QuantizedRows", "LayerEntries", "Pack"]
 
 @dataclass
 class QuantizedRows:
-    """The quantized "body" rows of one layer (KIVI layout, arXiv 2402.02750; ``format/SPEC.md`` section 5.4).
+    """The quantized "body" rows of one layer, in one of two layouts (``format/SPEC.md`` §5.4 and §5.6).
 
     Head ``h`` of the layer has ``n_h`` entries in position order: ``sink_lengths[h]`` sink rows (position below
-    the pack's ``sink_tokens``), then ``body_lengths[h]`` quantized rows (a multiple of ``group_size``, as many as
-    fit), then the residual rows. The body rows of all heads, head 0 first, give ``Q = body_lengths.sum()`` rows.
+    the pack's ``sink_tokens``), then ``body_lengths[h]`` quantized rows, then the residual rows (full precision).
+    The body rows of all heads, head 0 first, give ``Q = body_lengths.sum()`` rows. Keys are quantized per channel
+    over groups of ``G`` consecutive body rows of one head, values per row over groups of ``Gv = min(G,
+    head_dim_v)`` channels (KIVI, arXiv 2402.02750 §3).
+
+    ``layout == "kivi"`` (format versions 2 and 3, ``kvpack.quant``): ``body_lengths[h]`` is a multiple of ``G``
+    (as many rows as fit); one code width (``qtype``'s bits); float16 scales and mins.
+
+    ``layout == "compact"`` (format version 4, ``kvpack.compact``): ``body_lengths[h]`` is every non-sink row when
+    there are at least ``G`` of them (else 0), so a head's last key group may be shorter than ``G``; each head's
+    key channels have their own code widths; scales and mins are 8-bit codes on per-layer grids.
 
     Attributes:
         qtype: ``"int8"`` or ``"int4"`` (``constants.QUANT_TYPES``).
-        group_size: ``G``, rows per key group and (capped at ``head_dim_v``) channels per value group.
+        group_size: ``G``.
         sink_lengths: ``[kv_heads]`` int64 unquantized leading sink rows per head.
-        body_lengths: ``[kv_heads]`` int64 quantized rows per head, multiples of ``G``.
-        key_codes: ``[Q, head_dim / codes_per_byte]`` uint8; keys are quantized per channel over groups of ``G``
-            consecutive rows of one head.
-        key_scales, key_mins: ``[Q / G, head_dim]`` float16.
-        value_codes: ``[Q, head_dim_v / codes_per_byte]`` uint8; values are quantized per row over groups of
-            ``Gv = min(G, head_dim_v)`` consecutive channels.
-        value_scales, value_mins: ``[Q, head_dim_v / Gv]`` float16.
+        body_lengths: ``[kv_heads]`` int64 quantized rows per head.
+        key_codes: ``[Q, head_dim x bits / 8]`` uint8. KIVI: codes packed ``codes_per_byte`` to a byte (even channel
+            in the low nibble for int4). Compact: each row a little-endian bit string of its channels' codes of
+            ``key_bits`` widths (all widths equal to ``bits``: the same bytes as KIVI).
+        key_scales, key_mins: KIVI: ``[Q / G, head_dim]`` float16. Compact: ``None``.
+        value_codes: ``[Q, head_dim_v / codes_per_byte]`` uint8 (both layouts).
+        value_scales, value_mins: KIVI: ``[Q, head_dim_v / Gv]`` float16. Compact: ``None``.
+        layout: ``"kivi"`` or ``"compact"`` (``constants.QUANT_LAYOUTS``).
+        key_bits: compact: ``[kv_heads, head_dim]`` uint8 code width of each head's channels, summing to
+            ``bits x head_dim`` per head.
+        key_params: compact: ``[2, K, head_dim]`` uint8 min and scale codes of the ``K = sum_h ceil(body_h / G)``
+            key groups, head 0's first.
+        value_params: compact: ``[2, Q, head_dim_v / Gv]`` uint8 min and scale codes of the value groups.
+        quant_grid: compact: ``[3, head_dim + head_dim_v / Gv]`` float32: per parameter column (the key channels,
+            then the value groups) the min base, the min step and the scale base.
     """
 
     qtype: str
@@ -47,16 +65,29 @@ class QuantizedRows:
     sink_lengths: torch.Tensor
     body_lengths: torch.Tensor
     key_codes: torch.Tensor
-    key_scales: torch.Tensor
-    key_mins: torch.Tensor
+    key_scales: torch.Tensor | None
+    key_mins: torch.Tensor | None
     value_codes: torch.Tensor
-    value_scales: torch.Tensor
-    value_mins: torch.Tensor
+    value_scales: torch.Tensor | None
+    value_mins: torch.Tensor | None
+    layout: str = "kivi"
+    key_bits: torch.Tensor | None = None
+    key_params: torch.Tensor | None = None
+    value_params: torch.Tensor | None = None
+    quant_grid: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
         """``Q``, the quantized rows of the layer over all heads."""
         return int(self.key_codes.shape[0])
+
+    def parts(self) -> dict[str, torch.Tensor]:
+        """The tensors a file stores for this layer's quantized rows, by part name (``constants.QUANT_PARTS`` for
+        the KIVI layout, ``constants.COMPACT_PARTS`` for the compact one)."""
+        from . import constants as C
+
+        names = C.COMPACT_PARTS if self.layout == C.QUANT_LAYOUT_COMPACT else C.QUANT_PARTS
+        return {name: getattr(self, name) for name in names}
 
 
 @dataclass

@@ -29,6 +29,7 @@ import torch
 
 from . import constants as C
 from .errors import InputError
+from .compact import compact_problem, compact_split, dequantize_compact, quantize_compact
 from .pack import LayerEntries, Pack, QuantizedRows
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "quantize_groups",
     "body_row_mask",
     "quantize_layer",
+    "dequantize_rows",
     "head_row_pieces",
     "dequantize_layer",
     "dequantize_bodies",
@@ -314,32 +316,57 @@ def body_row_mask(head_lengths: torch.Tensor, sink: torch.Tensor, body: torch.Te
     return (col >= sink[head_of_row]) & (col < (sink + body)[head_of_row])
 
 
-def quantize_layer(entries: LayerEntries, sink_tokens: int, qtype: str, group_size: int) -> LayerEntries:
-    """Quantize one layer's body rows (``split_lengths``); sink and residual rows stay in full precision.
+def quantize_layer(entries: LayerEntries, sink_tokens: int, qtype: str, group_size: int,
+                   layout: str = C.DEFAULT_QUANT_LAYOUT, query_energy: torch.Tensor | None = None) -> LayerEntries:
+    """Quantize one layer's body rows; sink rows (and, in the KIVI layout, residual rows) stay in full precision.
 
     Args:
         entries: an unquantized layer (``keys [E, D]``, ``values [E, Dv]``, ``positions [E]``, ``head_lengths``).
         sink_tokens: the pack's ``sink_tokens``.
         qtype, group_size: as ``quantize_keys``.
+        layout: ``"compact"`` (default; ``kvpack.compact``: body rows per ``compact_split``, per-channel key widths,
+            8-bit group parameters) or ``"kivi"`` (body rows per ``split_lengths``, float16 parameters).
+        query_energy: compact only: ``[kv_heads, D]`` mean squared queries per KV head and channel (after RoPE), for
+            the key code widths; ``None``: one width.
 
     Returns:
         A new ``LayerEntries`` whose ``keys``/``values`` hold the full-precision rows (per head: sink rows, then
         residual rows) and whose ``quant`` holds the body rows, head 0 first; positions and head lengths as given.
 
     Raises:
-        InputError: the layer is already quantized, or the setting does not fit its head sizes.
+        InputError: the layer is already quantized, the setting does not fit its head sizes, unknown layout.
     """
     if entries.quant is not None:
         raise InputError("this layer is already quantized")
+    if layout not in C.QUANT_LAYOUTS:
+        raise InputError(f"unknown quantization layout {layout!r}; use one of {list(C.QUANT_LAYOUTS)}")
     d, dv = entries.keys.shape[1], entries.values.shape[1]
     check_quant_args(qtype, group_size, d, dv)
-    sink, body, _ = split_lengths(entries.positions, entries.head_lengths, sink_tokens, group_size)
-    is_body = body_row_mask(entries.head_lengths, sink, body)
-    kc, ks, km = quantize_keys(entries.keys[is_body], qtype, group_size)
-    vc, vs, vm = quantize_values(entries.values[is_body], qtype, group_size)
-    quant = QuantizedRows(qtype, int(group_size), sink, body, kc, ks, km, vc, vs, vm)
+    if layout == C.QUANT_LAYOUT_COMPACT:
+        sink, body = compact_split(entries.positions, entries.head_lengths, sink_tokens, group_size)
+        is_body = body_row_mask(entries.head_lengths, sink, body)
+        parts = quantize_compact(entries.keys[is_body], entries.values[is_body], body, qtype, group_size,
+                                 query_energy)
+        quant = QuantizedRows(qtype, int(group_size), sink, body, parts[C.KEY_CODES], None, None,
+                              parts[C.VALUE_CODES], None, None, layout=layout, key_bits=parts[C.KEY_BITS],
+                              key_params=parts[C.KEY_PARAMS], value_params=parts[C.VALUE_PARAMS],
+                              quant_grid=parts[C.QUANT_GRID])
+    else:
+        sink, body, _ = split_lengths(entries.positions, entries.head_lengths, sink_tokens, group_size)
+        is_body = body_row_mask(entries.head_lengths, sink, body)
+        kc, ks, km = quantize_keys(entries.keys[is_body], qtype, group_size)
+        vc, vs, vm = quantize_values(entries.values[is_body], qtype, group_size)
+        quant = QuantizedRows(qtype, int(group_size), sink, body, kc, ks, km, vc, vs, vm)
     return LayerEntries(entries.keys[~is_body].clone(), entries.values[~is_body].clone(), entries.positions,
                         entries.head_lengths, quant)
+
+
+def dequantize_rows(qr: QuantizedRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's body rows in float32: keys ``[Q, head_dim]`` and values ``[Q, head_dim_v]``, in either layout."""
+    if qr.layout == C.QUANT_LAYOUT_COMPACT:
+        return dequantize_compact(qr)
+    return (dequantize_keys(qr.key_codes, qr.key_scales, qr.key_mins, qr.qtype, qr.group_size),
+            dequantize_values(qr.value_codes, qr.value_scales, qr.value_mins, qr.qtype, qr.group_size))
 
 
 def head_row_pieces(entries: LayerEntries, dtype: torch.dtype | None = None,
@@ -371,8 +398,7 @@ def head_row_pieces(entries: LayerEntries, dtype: torch.dtype | None = None,
             start += n
         return lengths, key_blocks, value_blocks
     if bodies is None:
-        bodies = (dequantize_keys(qr.key_codes, qr.key_scales, qr.key_mins, qr.qtype, qr.group_size),
-                  dequantize_values(qr.value_codes, qr.value_scales, qr.value_mins, qr.qtype, qr.group_size))
+        bodies = dequantize_rows(qr)
     body_keys, body_values = bodies[0].to(dt), bodies[1].to(dt)
     key_blocks, value_blocks = [], []
     fp, q = 0, 0  # next full-precision row, next body row
@@ -391,7 +417,8 @@ def dequantize_bodies(quants: list[QuantizedRows]) -> tuple[torch.Tensor, torch.
     (KIVI layout, arXiv 2402.02750 §3; no errors raised beyond torch's for mismatched shapes).
 
     Args:
-        quants: the layers' ``QuantizedRows``, all with the same ``qtype``, ``group_size`` and head sizes.
+        quants: the layers' ``QuantizedRows``, all with the same ``qtype``, ``group_size``, layout and head sizes
+            (compact layers are dequantized one by one: their grids and widths are their own).
 
     Returns:
         ``(keys, values)``: float32 ``[sum of Q, head_dim]`` and ``[sum of Q, head_dim_v]``, layer ``i``'s body rows
@@ -399,6 +426,11 @@ def dequantize_bodies(quants: list[QuantizedRows]) -> tuple[torch.Tensor, torch.
         multiple of ``G``, so the key groups (``G`` rows) of the concatenation are the layers' own groups, and value
         groups never span rows.
     """
+    if quants[0].layout == C.QUANT_LAYOUT_COMPACT:  # grids and widths are per layer
+        rows = [dequantize_compact(q) for q in quants]
+        if len(rows) == 1:
+            return rows[0]
+        return torch.cat([k for k, _ in rows]), torch.cat([v for _, v in rows])
     qtype, g = quants[0].qtype, quants[0].group_size
 
     def joined(part: str) -> torch.Tensor:
@@ -453,27 +485,35 @@ def layer_error_stats(original: LayerEntries, quantized: LayerEntries) -> dict:
     return out
 
 
-def quantize_pack(pack: Pack, qtype: str, group_size: int = C.DEFAULT_GROUP_SIZE) -> Pack:
+def quantize_pack(pack: Pack, qtype: str, group_size: int = C.DEFAULT_GROUP_SIZE,
+                  layout: str = C.DEFAULT_QUANT_LAYOUT, query_energy: list[torch.Tensor] | None = None) -> Pack:
     """Quantize every layer of ``pack`` (``quantize_layer``) and record the error (export-time report).
 
     Args:
         pack: an unquantized pack (``kvpack.compress`` output).
         qtype: ``"int8"`` or ``"int4"`` (``"none"`` returns ``pack`` unchanged).
         group_size: ``G``, one of ``constants.GROUP_SIZES`` for packs meant to be shared (any ``G`` >= 1 works).
+        layout: ``"compact"`` (default, format version 4) or ``"kivi"`` (versions 2-3).
+        query_energy: compact only: per layer ``[kv_heads, head_dim]`` mean squared queries (``kvpack.compress``
+            records them during the prefill), for per-channel key code widths; ``None``: one width.
 
     Returns:
         A new ``Pack`` with quantized layers and ``metadata["stats"]["quant_error"]``: one ``layer_error_stats``
         dict per layer (with its ``"layer"`` index). ``pack`` itself is not modified.
 
     Raises:
-        InputError: unknown type, bad group size, head sizes that do not fit (see ``check_quant_args``), a pack
-            already quantized.
+        InputError: unknown type or layout, bad group size, head sizes that do not fit (see ``check_quant_args``),
+            a pack already quantized, ``query_energy`` not one ``[kv_heads, head_dim]`` tensor per layer.
     """
     if qtype == C.QUANT_NONE:
         return pack
+    if query_energy is not None and (len(query_energy) != len(pack.layers) or any(
+            tuple(e.shape) != (l.head_lengths.shape[0], l.keys.shape[1]) for e, l in zip(query_energy, pack.layers))):
+        raise InputError("query_energy must hold one [kv_heads, head_dim] tensor per layer of the pack")
     layers, errors = [], []
     for l, layer in enumerate(pack.layers):
-        q = quantize_layer(layer, pack.sink_tokens, qtype, group_size)
+        q = quantize_layer(layer, pack.sink_tokens, qtype, group_size, layout,
+                           None if query_energy is None else query_energy[l])
         layers.append(q)
         errors.append({"layer": l, **layer_error_stats(layer, q)})
     metadata = dict(pack.metadata)
@@ -502,6 +542,10 @@ def layer_quant_problem(entries: LayerEntries, sink_tokens: int) -> str | None:
     gv = value_group_size(g, dv)
     if d % cpb or dv % cpb or dv % gv:
         return f"head_dim {d} / head_dim_v {dv} do not fit {qr.qtype} with group size {g}"
+    if qr.layout == C.QUANT_LAYOUT_COMPACT:
+        return _compact_layer_problem(entries, sink_tokens)
+    if qr.layout != C.QUANT_LAYOUT_KIVI:
+        return f"quant layout {qr.layout!r} is not one of {list(C.QUANT_LAYOUTS)}"
     rows = qr.key_codes.shape[0] if isinstance(qr.key_codes, torch.Tensor) else -1
     if rows % g:
         return f"{rows} quantized rows is not a multiple of the group size {g}"
@@ -525,6 +569,24 @@ def layer_quant_problem(entries: LayerEntries, sink_tokens: int) -> str | None:
             return f"quant.{name} differ from the layout rule (sink rows, then floor((n - sink) / G) * G rows)"
     if int(body.sum()) != rows:
         return f"the heads' body rows sum to {int(body.sum())}, but {rows} rows are quantized"
+    if entries.keys.shape[0] != entries.num_entries - rows or entries.values.shape[0] != entries.keys.shape[0]:
+        return (f"keys/values must hold the {entries.num_entries - rows} full-precision rows "
+                f"({entries.num_entries} entries - {rows} quantized), not {entries.keys.shape[0]}")
+    return None
+
+
+def _compact_layer_problem(entries: LayerEntries, sink_tokens: int) -> str | None:
+    """``layer_quant_problem`` for the compact layout (``format/SPEC.md`` §5.6)."""
+    qr = entries.quant
+    sink, body = compact_split(entries.positions, entries.head_lengths, sink_tokens, qr.group_size)
+    for name, want_t in (("sink_lengths", sink), ("body_lengths", body)):
+        t = getattr(qr, name)
+        if not isinstance(t, torch.Tensor) or t.shape != want_t.shape or not torch.equal(t.to(torch.int64), want_t):
+            return f"quant.{name} differ from the compact layout rule (sink rows, then every other row if >= G)"
+    problem = compact_problem(qr, entries.keys.shape[1], entries.values.shape[1])
+    if problem is not None:
+        return problem
+    rows = int(body.sum())
     if entries.keys.shape[0] != entries.num_entries - rows or entries.values.shape[0] != entries.keys.shape[0]:
         return (f"keys/values must hold the {entries.num_entries - rows} full-precision rows "
                 f"({entries.num_entries} entries - {rows} quantized), not {entries.keys.shape[0]}")

@@ -241,6 +241,39 @@ class AttentionRecorder:
 
         self.column_sums = zeros() if column_sums else None
         self.window_sums = zeros() if window_start is not None else None
+        self.query_energy: list[torch.Tensor] | None = None
+        self._energy_shape = (spec.num_layers, spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim)
+        self._energy_device = device
+        self._energy_queries = 0
+
+    def track_query_energy(self) -> None:
+        """Also keep ``query_energy`` for every layer (not only the compressed ones): per KV head and channel, the
+        sum of ``q_c**2`` over the context's queries (after RoPE) of the query heads of its GQA group, in float64.
+        ``mean_query_energy`` divides it by the number of query rows; the compact quantized layout uses it to
+        choose key code widths (``kvpack.compact``)."""
+        layers, kv_heads, _, dim = self._energy_shape
+        self.query_energy = [torch.zeros(kv_heads, dim, dtype=torch.float64, device=self._energy_device)
+                             for _ in range(layers)]
+
+    def wants_queries(self, layer_idx: int, q_start: int) -> bool:
+        """Whether the chunk of layer ``layer_idx`` whose first query is at ``q_start`` adds to ``query_energy``."""
+        return self.query_energy is not None and q_start < self.tokens
+
+    def record_queries(self, layer_idx: int, query: torch.Tensor, q_start: int) -> None:
+        """Add a chunk's queries ``[1, heads, q, head_dim]`` (at positions ``q_start ..``, after RoPE; those at
+        positions ``>= tokens`` are left out) to ``query_energy``."""
+        _, kv_heads, group, dim = self._energy_shape
+        q = query[0, :, : max(0, self.tokens - q_start)].double()
+        self.query_energy[layer_idx] += q.pow(2).sum(dim=1).view(kv_heads, group, dim).sum(dim=1)
+        if layer_idx == 0:
+            self._energy_queries += q.shape[1] * group
+
+    def mean_query_energy(self) -> list[torch.Tensor] | None:
+        """Per layer ``[kv_heads, head_dim]`` float64 on CPU: ``query_energy`` over the query rows counted (the
+        mean of ``q_c**2``), or ``None`` when not tracked."""
+        if self.query_energy is None:
+            return None
+        return [e.cpu() / max(1, self._energy_queries) for e in self.query_energy]
 
     def wants_columns(self, layer_idx: int, q_start: int) -> bool:
         """Whether the chunk of layer ``layer_idx`` whose first query is at position ``q_start`` adds to

@@ -135,12 +135,12 @@ def golden_unquantized_for_int() -> Pack:
 
 def golden_int4() -> Pack:
     """``golden_unquantized_for_int`` quantized to int4, group size 32, by the reference codec."""
-    return quantize_pack(golden_unquantized_for_int(), "int4", 32)
+    return quantize_pack(golden_unquantized_for_int(), "int4", 32, "kivi")
 
 
 def golden_int8() -> Pack:
     """``golden_unquantized_for_int`` quantized to int8, group size 32, by the reference codec."""
-    return quantize_pack(golden_unquantized_for_int(), "int8", 32)
+    return quantize_pack(golden_unquantized_for_int(), "int8", 32, "kivi")
 
 
 #: Golden file name -> the Pack it holds (version 1: plain tensors, no zstd).

@@ -249,18 +249,22 @@ def test_build_quantized_packs_and_info_shows_quantization_and_errors(models, tm
     assert _status(_run(base + ["--quant", "int4", "--group-size", "64", "--zstd-level", "5"])) == {"alpha": "built"}
     assert (out / "alpha.kvpack").stat().st_size < plain / 3
     info = _run(["info", str(out / "alpha.kvpack")]).stdout
-    assert re.search(r"format\s+kvpack v3, ", info) and re.search(r"zstd\s+level 5: ", info)
-    assert re.search(r"quantization\s+int4, group size 64 ", info)
+    assert re.search(r"format\s+kvpack v4, ", info) and re.search(r"zstd\s+level 5: ", info)
+    assert re.search(r"quantization\s+int4, group size 64, compact layout \(key code widths per channel: ", info)
     rows = re.findall(r"^\s+(\d)\s+([\d.e-]+)\s+([\d.e-]+)\s+([\d.e-]+)\s+([\d.e-]+)\s+([\d.]+)%$", info, re.M)
     assert [r[0] for r in rows] == ["0", "1"], info
     assert all(float(r[1]) >= float(r[2]) > 0 and float(r[5]) > 0 for r in rows)
     sections = dict(re.findall(r"^\s+(\w+)\s+([\d,]+)\s+[\d.]+%$", info, re.M))
     assert sections.pop("total") == f"{(out / 'alpha.kvpack').stat().st_size:,}"
-    assert {"key_codes", "key_scales", "key_mins", "value_codes", "value_scales", "value_mins"} <= set(sections)
+    assert {"key_codes", "key_bits", "key_params", "value_codes", "value_params", "quant_grid"} <= set(sections)
     assert sum(int(v.replace(",", "")) for v in sections.values()) == (out / "alpha.kvpack").stat().st_size
     res = _run(["ask", str(out / "alpha.kvpack"), "What is the secret code of Alice?", "--model", models["llama"],
                 "--device", "cpu", "--max-new-tokens", "4"])
     assert res.stdout.endswith("\n")
+    # SHA-256 checksums ask for files older readers take: the KIVI layout of format v2; a layout change rebuilds
+    assert _status(_run(base + ["--quant", "int4", "--checksum", "sha256"])) == {"alpha": "built"}
+    info = _run(["info", str(out / "alpha.kvpack")]).stdout
+    assert re.search(r"format\s+kvpack v2, ", info) and re.search(r"int4, group size 32, KIVI layout", info)
 
 
 def test_int4_build_fits_a_16_dim_head(docs, models, tmp_path):

@@ -199,7 +199,7 @@ HEADS = [[40, 0, 3, 70], [33, 2, 3, 4], [0, 0, 0, 0], [64, 64, 1, 31]]
 def test_round_trip(dtype, level, qtype, checksum):
     pack = random_pack(dtype, HEADS, head_dim=8, head_dim_v=8, tokens=90)
     if qtype != "none":
-        pack = quantize_pack(pack, qtype, 32)
+        pack = quantize_pack(pack, qtype, 32, "kivi")
     data = pack_to_bytes(pack, level, checksum)
     assert_packs_equal(load_pack(data), pack)
     assert pack_to_bytes(load_pack(data), level, checksum) == data
@@ -229,7 +229,7 @@ def test_zstd_shrinks_compressible_packs_and_int4_shrinks_more():
     for layer in pack.layers:
         layer.keys = (layer.keys * 4).round() / 4  # a few distinct values: compressible
     plain, zipped = len(pack_to_bytes(pack)), len(pack_to_bytes(pack, 3))
-    q = quantize_pack(pack, "int4", 32)
+    q = quantize_pack(pack, "int4", 32, "kivi")
     q_plain, q_zipped = len(pack_to_bytes(q)), len(pack_to_bytes(q, 3))
     assert zipped < 0.9 * plain and q_plain < 0.45 * plain and q_zipped < q_plain
 

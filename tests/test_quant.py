@@ -210,7 +210,7 @@ def test_split_lengths_follow_the_layout_rule():
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_sinks_short_heads_and_residuals_stay_exact(qtype):
     layer = _layer(HEADS)
-    q = quantize_layer(layer, 3, qtype, 32)
+    q = quantize_layer(layer, 3, qtype, 32, "kivi")
     assert q.quant.rows == 128 and q.keys.shape == (layer.num_entries - 128, 8)
     assert torch.equal(q.positions, layer.positions) and torch.equal(q.head_lengths, layer.head_lengths)
     deq = q.dequantized()
@@ -235,7 +235,7 @@ def test_sinks_short_heads_and_residuals_stay_exact(qtype):
 
 def test_quantize_pack_records_errors_and_leaves_the_input_alone():
     pack = Pack(torch.arange(80), [_layer(HEADS, seed=1), _layer(HEADS[::-1], seed=2)], 3, {"stats": {"a": 1}})
-    q = quantize_pack(pack, "int4", 32)
+    q = quantize_pack(pack, "int4", 32, "kivi")
     assert pack.layers[0].quant is None and "quant_error" not in pack.metadata["stats"]
     errors = q.metadata["stats"]["quant_error"]
     assert q.metadata["stats"]["a"] == 1 and [e["layer"] for e in errors] == [0, 1]
@@ -257,7 +257,7 @@ def test_quantize_pack_records_errors_and_leaves_the_input_alone():
 def test_loader_dequantizes_exactly_like_the_codec(qtype, zstd):
     layers = [_layer(HEADS, dtype=torch.float16), _layer(HEADS[::-1], seed=5, dtype=torch.float16)]
     pack = Pack(torch.arange(80), layers, 3, {})
-    q = quantize_pack(pack, qtype, 32)
+    q = quantize_pack(pack, qtype, 32, "kivi")
     loaded = load_pack(pack_to_bytes(q, zstd))
     cache = KvpackCache.from_pack(loaded, dtype=torch.float32)
     for layer, ql in zip(cache.layers, q.layers):
@@ -292,8 +292,12 @@ def test_compress_quantizes_after_selection_and_packs_save_load_and_generate(tmp
     model, tok = tiny_model("llama")
     text = TEXT * 3
     plain = kvpack.compress(model, tok, text, ratio=0.5, chunk_size=64)
+    kivi = kvpack.compress(model, tok, text, ratio=0.5, chunk_size=64, quant="int4", group_size=32, quant_layout="kivi")
+    assert pack_to_bytes(kivi) == pack_to_bytes(quantize_pack(plain, "int4", 32, "kivi"))  # same selection, quantized
     q = kvpack.compress(model, tok, text, ratio=0.5, chunk_size=64, quant="int4", group_size=32)
-    assert pack_to_bytes(q) == pack_to_bytes(quantize_pack(plain, "int4", 32))  # same selection, then quantized
+    assert all(l.quant.layout == "compact" for l in q.layers)
+    for a, b in zip(plain.layers, q.layers):  # the same selection; the compact layout quantizes every non-sink row
+        assert torch.equal(a.positions, b.positions) and b.keys.shape[0] == b.num_entries - b.quant.rows
     assert sum(l.quant.rows for l in q.layers) > 0
     errors = q.metadata["stats"]["quant_error"]
     assert len(errors) == len(q.layers) and all(e["key_max_abs"] > 0 for e in errors)

@@ -1,0 +1,343 @@
+"""The compact quantized layout of ``.kvpack`` format version 4: per-channel key code widths and 8-bit group
+parameters (``format/SPEC.md`` §5.6).
+
+It keeps KIVI's grouping (arXiv 2402.02750 §3: keys per channel over ``G`` consecutive rows of one head, values
+per row over ``Gv = min(G, head_dim_v)`` channels; asymmetric ``x_hat = code x scale + min``) and changes three
+things, each measured on the reference model (``BENCHMARKS.md``, "4-bit KV"):
+
+* **Key code widths per channel.** Each KV head's key channels get their own widths (``key_bits``; 2 to 8 bits
+  from the writer, ``bits`` on average, so a row takes the same bytes as with one width). The widths minimise the
+  query-weighted error ``sum_c E[q_c^2] x E[range_c^2] x 4^-w_c`` over the context's own queries (after RoPE, over
+  the query heads of the GQA group): the classic rate-distortion bit allocation, error variance ~ step^2 ~ 4^-w
+  (``allocate_widths``). Without query statistics the widths are uniform. A row's codes are one little-endian
+  bit string, channel 0 first; with uniform widths it is byte-for-byte KIVI's packing.
+* **8-bit group parameters.** Each group's min and scale are one byte each, on grids shared by a parameter column
+  (a key channel, or a value group position) of the layer (``quant_grid``): ``min = code x step + base`` with
+  the min rounded *down* onto the grid, and ``scale`` a tiny float ``base x (32 + m) x 2**(e - 12)`` (``e`` the
+  code's top 3 bits, ``m`` its low 5; code 0 is scale 0), rounded *up*; codes are then taken against the stored
+  parameters, so every element stays within ``scale / 2`` of its dequantized value, as in the KIVI layout.
+  All parameter arithmetic is float32 multiply-then-add, so every platform dequantizes to the same bits.
+* **No full-precision residual.** A head with at least ``G`` non-sink rows has all of them quantized; its last
+  key group may be shorter than ``G``. The attention sink and heads with fewer than ``G`` non-sink rows stay in
+  full precision, as in the KIVI layout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import constants as C
+from .errors import InputError
+
+__all__ = [
+    "compact_split",
+    "allocate_widths",
+    "scale_table",
+    "scale_codes",
+    "min_grid",
+    "min_codes",
+    "min_values",
+    "pack_bits",
+    "unpack_bits",
+    "group_index",
+    "quantize_compact",
+    "dequantize_compact",
+    "compact_problem",
+]
+
+#: ``(32 + m) x 2**(e - 12)`` for scale codes ``e << 5 | m``: the multiplier of the column's scale base.
+_SCALE_MULTIPLIERS = torch.tensor([(32 + (k & 31)) * 2.0 ** ((k >> 5) - 12) for k in range(256)], dtype=torch.float32)
+#: Largest multiplier (code 255): 63/32.
+_TOP_MULTIPLIER = float(_SCALE_MULTIPLIERS[255])
+
+
+def compact_split(positions: torch.Tensor, head_lengths: torch.Tensor, sink_tokens: int, group_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per head ``[kv_heads]`` int64: sink rows ``s_h`` (positions below ``sink_tokens``) and quantized body rows
+    ``b_h = n_h - s_h`` if that is at least ``group_size``, else 0 (``format/SPEC.md`` §5.6)."""
+    lengths = head_lengths.to(torch.int64)
+    head_of_row = torch.repeat_interleave(torch.arange(lengths.shape[0]), lengths)
+    sink = torch.zeros(lengths.shape[0], dtype=torch.int64).index_add_(
+        0, head_of_row, (positions.to(torch.int64) < sink_tokens).long())
+    rest = lengths - sink
+    return sink, torch.where(rest >= group_size, rest, torch.zeros_like(rest))
+
+
+def allocate_widths(weights: torch.Tensor, mean_bits: int, low: int = C.ALLOCATED_KEY_BITS[0],
+                    high: int = C.ALLOCATED_KEY_BITS[1]) -> torch.Tensor:
+    """Integer code widths ``[heads, channels]`` int64 in ``[low, high]``, each row summing to ``mean_bits x
+    channels``, minimising ``sum_c weights[h, c] x 4**-width[h, c]`` per row.
+
+    Greedy (exact for this separable convex objective): from ``low`` everywhere, each extra bit goes to the channel
+    whose weighted error it reduces most; ties go to the lowest channel. A row without a positive finite weight,
+    and every row when ``mean_bits >= high``, gets ``mean_bits`` everywhere.
+
+    Args:
+        weights: ``[heads, channels]`` non-negative (query energy x mean squared group range).
+        mean_bits: the average width (4 for int4, 8 for int8), in ``[low, high]``.
+    """
+    heads, channels = weights.shape
+    uniform = torch.full((heads, channels), mean_bits, dtype=torch.int64)
+    w = weights.double()
+    usable = torch.isfinite(w).all(dim=1) & (w > 0).any(dim=1)
+    if mean_bits >= high or not bool(usable.any()):
+        return uniform
+    bits = torch.full((heads, channels), low, dtype=torch.int64)
+    rows = torch.arange(heads)
+    for _ in range((mean_bits - low) * channels):
+        gain = torch.where(bits < high, w * torch.pow(4.0, -bits.double()), torch.full_like(w, -1.0))
+        bits[rows, gain.argmax(dim=1)] += 1
+    return torch.where(usable[:, None], bits, uniform)
+
+
+def scale_table(base: torch.Tensor) -> torch.Tensor:
+    """``[columns, 256]`` float32: the scale of every code of each column (code 0: 0; code ``e << 5 | m``:
+    ``base x (32 + m) x 2**(e - 12)``, one float32 rounding). ``base``: ``[columns]`` float32 >= 0."""
+    table = base.float()[:, None] * _SCALE_MULTIPLIERS[None, :]
+    table[:, 0] = 0.0
+    return table
+
+
+def _scale_base(needed_max: torch.Tensor) -> torch.Tensor:
+    """Smallest float32 base ``[columns]`` whose top scale (code 255) is at least ``needed_max`` (float64 >= 0)."""
+    base = (needed_max / _TOP_MULTIPLIER).float()
+    for _ in range(4):
+        short = (base * _TOP_MULTIPLIER).double() < needed_max
+        if not bool(short.any()):
+            return base
+        base = torch.where(short, torch.nextafter(base, torch.full_like(base, float("inf"))), base)
+    raise InputError("a quantization scale does not fit float32; the keys or values are too large to quantize")
+
+
+def scale_codes(needed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round each column's scales up onto its grid: ``(codes uint8 [n, columns], scales float32 [n, columns],
+    base float32 [columns])``, ``scales >= needed`` (``needed``: ``[n, columns]`` float64 >= 0)."""
+    base = _scale_base(needed.amax(dim=0) if needed.shape[0] else needed.new_zeros(needed.shape[1]))
+    table = scale_table(base)  # increasing along the codes
+    codes = torch.searchsorted(table.double().contiguous(), needed.t().contiguous()).clamp_(max=255).t()
+    scales = table.gather(1, codes.t()).t()
+    return codes.to(torch.uint8), scales.contiguous(), base
+
+
+def min_grid(group_mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each column's min grid ``(base, step)`` float32 ``[columns]`` for ``group_mins`` ``[n, columns]`` float64:
+    ``base`` the column minimum rounded down to float32, ``step = (max - base) / 255`` rounded up."""
+    lo, hi = group_mins.amin(dim=0), group_mins.amax(dim=0)
+    base = lo.float()
+    base = torch.where(base.double() > lo, torch.nextafter(base, torch.full_like(base, -float("inf"))), base)
+    step = ((hi - base.double()) / 255).float()
+    step = torch.where(step.double() * 255 < hi - base.double(),
+                       torch.nextafter(step, torch.full_like(step, float("inf"))), step)
+    return base, step
+
+
+def min_values(codes: torch.Tensor, base: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """``codes x step + base`` float32 ``[n, columns]`` (two float32 roundings, no fused multiply-add)."""
+    return codes.float() * step + base
+
+
+def min_codes(group_mins: torch.Tensor, base: torch.Tensor, step: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round each group min down onto its column's grid: ``(codes uint8, mins float32)``, ``mins <= group_mins``."""
+    safe = torch.where(step > 0, step, torch.ones_like(step)).double()
+    codes = torch.where(step > 0, torch.floor((group_mins - base.double()) / safe), torch.zeros_like(group_mins))
+    codes = codes.clamp(0, 255)
+    for _ in range(4):
+        mins = min_values(codes, base, step)
+        over = mins.double() > group_mins
+        if not bool(over.any()):
+            return codes.to(torch.uint8), mins
+        codes = torch.where(over, codes - 1, codes)  # code 0 (the base) is never above a group min
+    raise RuntimeError("internal error: a group min could not be rounded down onto its grid")
+
+
+def pack_bits(codes: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """Rows of codes ``[rows, channels]`` (channel ``c`` below ``2**widths[c]``) as little-endian bit strings:
+    uint8 ``[rows, sum(widths) / 8]``; bit ``j`` of channel ``c``'s code is bit ``o_c + j`` of the row,
+    ``o_c = sum(widths[:c])``, and row bit ``k`` is bit ``k mod 8`` of byte ``k div 8``."""
+    bits = (codes.to(torch.int64)[..., None] >> torch.arange(8)) & 1  # [rows, channels, 8]
+    keep = torch.arange(8)[None, :] < widths.to(torch.int64)[:, None]  # [channels, 8]
+    stream = bits[:, keep].to(torch.uint8).numpy()  # [rows, sum(widths)], channel-major, low bit first
+    return torch.from_numpy(np.packbits(stream, axis=1, bitorder="little"))
+
+
+def unpack_bits(packed: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_bits``: float32 codes ``[rows, channels]``.
+
+    The row's bits are expanded (``numpy.unpackbits``) and summed into channels by one matrix product with the
+    ``[bits, channels]`` matrix of ``2**j`` at ``(o_c + j, c)``: exact in float32 (codes below 256).
+    """
+    widths = widths.to(torch.int64)
+    rows = packed.shape[0]
+    if rows == 0:
+        return torch.zeros(0, widths.shape[0])
+    bits = torch.from_numpy(np.unpackbits(packed.contiguous().numpy(), axis=1, bitorder="little")).float()
+    offsets = torch.cumsum(widths, 0) - widths
+    place = torch.zeros(bits.shape[1], widths.shape[0])
+    for c, (o, w) in enumerate(zip(offsets.tolist(), widths.tolist())):
+        place[o : o + w, c] = 2.0 ** torch.arange(w, dtype=torch.float32)
+    return bits @ place
+
+
+def group_index(body_lengths: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(group of each body row [Q], head of each group [K])`` int64: head ``h``'s rows form ``ceil(b_h / G)``
+    groups of ``G`` consecutive rows (the last may be shorter), head 0's first."""
+    body = body_lengths.to(torch.int64)
+    groups = (body + group_size - 1) // group_size
+    head_of_row = torch.repeat_interleave(torch.arange(body.shape[0]), body)
+    row_starts = torch.cumsum(body, 0) - body
+    group_starts = torch.cumsum(groups, 0) - groups
+    in_head = torch.arange(int(body.sum())) - row_starts[head_of_row]
+    return group_starts[head_of_row] + in_head // group_size, torch.repeat_interleave(torch.arange(body.shape[0]),
+                                                                                      groups)
+
+
+def _decode_key_codes(key_codes: torch.Tensor, key_bits: torch.Tensor, body: torch.Tensor, bits: int
+                      ) -> torch.Tensor:
+    """Float32 key codes ``[Q, head_dim]`` of every body row (each head's rows with its widths)."""
+    from .quant import _codes_as_float
+
+    widths = key_bits.to(torch.int64)
+    if bool((widths == bits).all()):
+        return _codes_as_float(key_codes, "int8" if bits == 8 else "int4")
+    out, start = [], 0
+    for h, b in enumerate(body.tolist()):
+        if b:
+            out.append(unpack_bits(key_codes[start : start + b], widths[h]))
+        start += b
+    return torch.cat(out) if out else torch.zeros(0, widths.shape[1])
+
+
+def dequantize_compact(qr) -> tuple[torch.Tensor, torch.Tensor]:
+    """The body rows of a compact-layout ``QuantizedRows``: keys ``[Q, head_dim]`` and values ``[Q, head_dim_v]``,
+    float32, ``code x scale + min`` with the group's parameters from the layer's grids (``format/SPEC.md`` §5.6)."""
+    from .quant import _codes_as_float, quant_type, value_group_size
+
+    spec = quant_type(qr.qtype)
+    d = qr.key_bits.shape[1]
+    grid = qr.quant_grid.float()
+    codes = _decode_key_codes(qr.key_codes, qr.key_bits, qr.body_lengths, spec.bits)
+    gidx, _ = group_index(qr.body_lengths, qr.group_size)
+    k_mins = min_values(qr.key_params[0], grid[0, :d], grid[1, :d])
+    k_scales = scale_table(grid[2, :d]).gather(1, qr.key_params[1].t().long()).t()
+    keys = codes.mul_(k_scales[gidx]).add_(k_mins[gidx])
+    vcodes = _codes_as_float(qr.value_codes, qr.qtype)
+    q, dv = vcodes.shape
+    gv = value_group_size(qr.group_size, dv)
+    v_mins = min_values(qr.value_params[0], grid[0, d:], grid[1, d:])
+    v_scales = scale_table(grid[2, d:]).gather(1, qr.value_params[1].t().long()).t()
+    grouped = vcodes.view(q, dv // gv, gv)
+    grouped.mul_(v_scales.unsqueeze(2)).add_(v_mins.unsqueeze(2))
+    return keys, vcodes
+
+
+def _group_params(group_min: torch.Tensor, group_max: torch.Tensor, levels: torch.Tensor):
+    """Min and scale codes of groups (``[n, columns]`` float64 extremes, ``levels`` broadcastable): min codes,
+    scale codes, stored mins and scales (float32), and the grid rows ``(base, step, scale base)``."""
+    base, step = min_grid(group_min) if group_min.shape[0] else (group_min.new_zeros(group_min.shape[1]).float(),) * 2
+    mcodes, mins = min_codes(group_min, base, step)
+    needed = ((group_max - mins.double()) / levels).clamp(min=0)
+    scodes, scales, sbase = scale_codes(needed)
+    return mcodes, scodes, mins, scales, (base, step, sbase)
+
+
+def quantize_compact(keys: torch.Tensor, values: torch.Tensor, body: torch.Tensor, qtype: str, group_size: int,
+                     query_energy: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Quantize one layer's body rows in the compact layout.
+
+    Args:
+        keys, values: ``[Q, head_dim]``, ``[Q, head_dim_v]`` float, the body rows of all heads, head 0 first.
+        body: ``[kv_heads]`` int64 body rows per head (``compact_split``).
+        qtype, group_size: ``"int8"``/``"int4"`` and ``G``.
+        query_energy: ``[kv_heads, head_dim]``, the mean of ``q_c**2`` over the context's queries of each KV head's
+            GQA group (after RoPE), for the key widths (``allocate_widths``); ``None``: uniform widths.
+
+    Returns:
+        ``key_codes``, ``key_bits``, ``key_params``, ``value_codes``, ``value_params``, ``quant_grid`` as
+        ``QuantizedRows`` holds them.
+
+    Raises:
+        InputError: non-finite keys or values.
+    """
+    from .quant import pack_codes, quant_type, value_group_size
+
+    spec = quant_type(qtype)
+    k, v = keys.double(), values.double()
+    if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
+        raise InputError("cannot quantize keys or values that contain NaN or infinity")
+    heads, d, dv = body.shape[0], k.shape[1], v.shape[1]
+    gidx, head_of_group = group_index(body, group_size)
+    n_groups = head_of_group.shape[0]
+    index = gidx[:, None].expand(-1, d)
+    gmin = k.new_zeros(n_groups, d).scatter_reduce_(0, index, k, "amin", include_self=False)
+    gmax = k.new_zeros(n_groups, d).scatter_reduce_(0, index, k, "amax", include_self=False)
+    if query_energy is None or spec.bits >= C.ALLOCATED_KEY_BITS[1]:
+        widths = torch.full((heads, d), spec.bits, dtype=torch.int64)
+    else:
+        range2 = k.new_zeros(heads, d).index_add_(0, head_of_group, (gmax - gmin) ** 2)
+        range2 /= torch.bincount(head_of_group, minlength=heads).clamp(min=1)[:, None]
+        widths = allocate_widths(query_energy.double().cpu() * range2, spec.bits)
+    levels = torch.pow(2.0, widths[head_of_group].double()) - 1  # [groups, d]
+    k_mc, k_sc, k_min, k_scale, k_grid = _group_params(gmin, gmax, levels)
+    kcodes = torch.where(k_scale[gidx] > 0, torch.round((k - k_min[gidx].double()) / k_scale[gidx].double()
+                                                         .clamp(min=torch.finfo(torch.float32).tiny)), 0.0)
+    kcodes = torch.minimum(kcodes.clamp(min=0), levels[gidx])
+    packed, start = [], 0
+    for h, b in enumerate(body.tolist()):
+        if b:
+            packed.append(pack_bits(kcodes[start : start + b], widths[h]))
+        start += b
+    key_codes = torch.cat(packed) if packed else torch.zeros(0, d * spec.bits // 8, dtype=torch.uint8)
+    q = v.shape[0]
+    gv = value_group_size(group_size, dv)
+    grouped = v.view(q, dv // gv, gv)
+    v_mc, v_sc, v_min, v_scale, v_grid = _group_params(grouped.amin(dim=2), grouped.amax(dim=2),
+                                                        float(spec.levels))
+    vcodes = torch.where(v_scale[..., None] > 0, torch.round((grouped - v_min[..., None].double())
+                                                             / v_scale[..., None].double().clamp(min=1e-38)), 0.0)
+    vcodes = vcodes.clamp(0, spec.levels).view(q, dv)
+    grid = torch.stack([torch.cat([a, b]) for a, b in zip(k_grid, v_grid)]).float()
+    return {
+        C.KEY_CODES: key_codes,
+        C.KEY_BITS: widths.to(torch.uint8),
+        C.KEY_PARAMS: torch.stack([k_mc, k_sc]) if n_groups else torch.zeros(2, 0, d, dtype=torch.uint8),
+        C.VALUE_CODES: pack_codes(vcodes, qtype),
+        C.VALUE_PARAMS: torch.stack([v_mc, v_sc]),
+        C.QUANT_GRID: grid,
+    }
+
+
+def compact_problem(qr, d: int, dv: int) -> str | None:
+    """Why a compact-layout ``QuantizedRows`` has the wrong dtypes, shapes or values, or ``None``: the widths
+    (``MIN_KEY_BITS`` .. ``MAX_KEY_BITS``, summing to ``bits x head_dim`` per head), the key groups its body lengths
+    call for, and a finite grid with non-negative steps and scale bases. Shared by the writer and the reader."""
+    from .quant import quant_type, value_group_size
+
+    spec = quant_type(qr.qtype)
+    gv = value_group_size(qr.group_size, dv)
+    heads = qr.body_lengths.shape[0]
+    rows = int(qr.body_lengths.sum())
+    groups = int(((qr.body_lengths + qr.group_size - 1) // qr.group_size).sum())
+    want = {
+        C.KEY_CODES: (torch.uint8, (rows, d * spec.bits // 8)),
+        C.KEY_BITS: (torch.uint8, (heads, d)),
+        C.KEY_PARAMS: (torch.uint8, (2, groups, d)),
+        C.VALUE_CODES: (torch.uint8, (rows, dv // spec.codes_per_byte)),
+        C.VALUE_PARAMS: (torch.uint8, (2, rows, dv // gv)),
+        C.QUANT_GRID: (torch.float32, (3, d + dv // gv)),
+    }
+    for name, (dtype, shape) in want.items():
+        t = getattr(qr, name)
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
+            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            return f"quant.{name} must be {dtype} {list(shape)}, not {got}"
+    widths = qr.key_bits.to(torch.int64)
+    if int(widths.min()) < C.MIN_KEY_BITS or int(widths.max()) > C.MAX_KEY_BITS:
+        return f"key code widths must lie in [{C.MIN_KEY_BITS}, {C.MAX_KEY_BITS}] bits"
+    if not bool((widths.sum(dim=1) == spec.bits * d).all()):
+        return f"each head's key code widths must sum to {spec.bits * d} ({qr.qtype} x head_dim {d})"
+    grid = qr.quant_grid
+    if not bool(torch.isfinite(grid).all()) or bool((grid[1:] < 0).any()):
+        return "the quantization grid must be finite, with non-negative min steps and scale bases"
+    return None
