@@ -143,12 +143,12 @@ def min_codes(group_mins: torch.Tensor, base: torch.Tensor, step: torch.Tensor
     safe = torch.where(step > 0, step, torch.ones_like(step)).double()
     codes = torch.where(step > 0, torch.floor((group_mins - base.double()) / safe), torch.zeros_like(group_mins))
     codes = codes.clamp(0, 255)
-    for _ in range(4):
-        mins = min_values(codes, base, step)
-        over = mins.double() > group_mins
-        if not bool(over.any()):
-            return codes.to(torch.uint8), mins
-        codes = torch.where(over, codes - 1, codes)  # code 0 (the base) is never above a group min
+    for _ in range(4):  # float rounding of the division: settle on the largest code whose min is not above
+        over = min_values(codes, base, step).double() > group_mins
+        under = (codes < 255) & (step > 0) & (min_values(codes + 1, base, step).double() <= group_mins)
+        if not bool(over.any() or under.any()):
+            return codes.to(torch.uint8), min_values(codes, base, step)
+        codes = codes - over.double() + under.double()  # code 0 (the base) is never above a group min
     raise RuntimeError("internal error: a group min could not be rounded down onto its grid")
 
 

@@ -8,7 +8,9 @@ Every value is exactly representable in float16 and bfloat16, so no rounding dep
 
 ``GOLDEN`` holds the version-1 files (plain tensors); ``GOLDEN_V2`` the version-2 ones (quantized with the
 reference codec ``kvpack.quant``, and/or zstd-compressed); both use SHA-256 tensor checksums
-(``checksum="sha256"``). ``GOLDEN_V3`` holds version-3 files (XXH3-128 tensor checksums, the writer's default). zstd's output depends on the zstd library, so the
+(``checksum="sha256"``). ``GOLDEN_V3`` holds version-3 files (XXH3-128 tensor checksums, the writer's default),
+``GOLDEN_V4`` version-4 files (the compact quantized layout, ``kvpack.compact``). zstd's output depends on the zstd
+library, so the
 exact bytes of the zstd files are pinned for ``GOLDEN_ZSTD_LIBRARY`` only (reading them works with any).
 """
 
@@ -143,6 +145,19 @@ def golden_int8() -> Pack:
     return quantize_pack(golden_unquantized_for_int(), "int8", 32, "kivi")
 
 
+#: Query energy behind the compact golden file's key code widths: per layer ``[kv_heads, head_dim]``; layer 1's
+#: head 1 has none (uniform widths).
+GOLDEN_QUERY_ENERGY = (((4.0, 1.0, 0.25, 1.0), (1.0, 1.0, 1.0, 1.0)), ((0.5, 2.0, 8.0, 1.0), (0.0, 0.0, 0.0, 0.0)))
+
+
+def golden_int4_compact() -> Pack:
+    """``golden_unquantized_for_int`` quantized to int4, group size 32, in the compact layout (format version 4)
+    with the key code widths of ``GOLDEN_QUERY_ENERGY``. (sink, quantized, residual) rows per head: layer 0
+    (2, 36, 0) (a 4-row last group) and (2, 0, 3) (too short), layer 1 (2, 46, 0) and (0, 33, 0) (a 1-row group)."""
+    energy = [torch.tensor(e, dtype=torch.float64) for e in GOLDEN_QUERY_ENERGY]
+    return quantize_pack(golden_unquantized_for_int(), "int4", 32, "compact", energy)
+
+
 #: Golden file name -> the Pack it holds (version 1: plain tensors, no zstd).
 GOLDEN = {
     "small_f32.kvpack": golden_f32,
@@ -164,6 +179,11 @@ GOLDEN_V3 = {
     "small_int4_zstd_xxh3.kvpack": (golden_int4, 3),
 }
 
+#: Version-4 golden file name -> (the Pack it holds, the zstd level it is saved with); XXH3-128 tensor checksums.
+GOLDEN_V4 = {
+    "small_int4_compact.kvpack": (golden_int4_compact, 0),
+}
+
 #: ``zstandard.ZSTD_VERSION`` of the zstd library that wrote the zstd golden files.
 GOLDEN_ZSTD_LIBRARY = (1, 5, 7)
 
@@ -178,7 +198,7 @@ def regenerate(folder: Path = GOLDEN_DIR) -> list[Path]:
     for name, (make, level) in GOLDEN_V2.items():
         save(make(), folder / name, zstd_level=level, checksum="sha256")
         paths.append(folder / name)
-    for name, (make, level) in GOLDEN_V3.items():
+    for name, (make, level) in {**GOLDEN_V3, **GOLDEN_V4}.items():
         save(make(), folder / name, zstd_level=level)
         paths.append(folder / name)
     return paths

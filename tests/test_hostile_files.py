@@ -379,10 +379,60 @@ CASES_V3 = {
     "v3 xxh3 digest is a sha256": (forge3(set_meta("tensor_xxh3", _sha256_sums_of(GOLD3))), X),
     "v3 positions decreasing": (forge3(tensors={"layers.0.positions": i32(0, 4, 1, 6, 0, 1, 7)}), X),
 }
+# --- version 4: the compact quantized layout ---------------------------------------------------------------------
+GOLD4 = (GOLDEN_DIR / "small_int4_compact.kvpack").read_bytes()
+
+
+def forge4(edit_header=None, tensors: dict[str, bytes] | None = None, base: bytes = GOLD4) -> bytes:
+    """``forge3`` for the version-4 golden file (XXH3-128 tensor checksums recomputed)."""
+    obj, buf = split(base)
+    buf = bytearray(buf)
+    sums = json.loads(obj["__metadata__"]["tensor_xxh3"])
+    for name, data in (tensors or {}).items():
+        b, e = obj[name]["data_offsets"]
+        assert len(data) == e - b
+        buf[b:e] = data
+        sums[name] = xxhash.xxh3_128_hexdigest(data)
+    obj["__metadata__"]["tensor_xxh3"] = canon(sums).decode()
+    if edit_header is not None:
+        edit_header(obj)
+    return assemble(obj, bytes(buf))
+
+
+def _grid_with(row: int, col: int, value: float) -> bytes:
+    obj, buf = split(GOLD4)
+    b, e = obj["layers.0.quant_grid"]["data_offsets"]
+    grid = torch.frombuffer(bytearray(buf[b:e]), dtype=torch.float32).reshape(3, -1).clone()
+    grid[row, col] = value
+    return grid.numpy().tobytes()
+
+
+def _drop_quant(obj):
+    obj["__metadata__"].pop("quant")
+
+
+# layer 0's key widths are [[7, 4, 3, 2], [4, 4, 4, 4]] (head_dim 4, int4: 16 bits a row)
+CASES_V4 = {
+    "v4 key widths not summing to 16": (forge4(tensors={"layers.0.key_bits": bytes([7, 4, 3, 3, 4, 4, 4, 4])}), X),
+    "v4 key width 0": (forge4(tensors={"layers.0.key_bits": bytes([8, 4, 4, 0, 4, 4, 4, 4])}), X),
+    "v4 key width 9": (forge4(tensors={"layers.0.key_bits": bytes([9, 4, 2, 1, 4, 4, 4, 4])}), X),
+    "v4 grid NaN": (forge4(tensors={"layers.0.quant_grid": _grid_with(1, 0, float("nan"))}), X),
+    "v4 grid negative scale base": (forge4(tensors={"layers.0.quant_grid": _grid_with(2, 1, -0.5)}), X),
+    "v4 quant without layout": (forge4(set_meta("quant", '{"group_size":32,"type":"int4"}')), X),
+    "v4 quant with another layout": (forge4(set_meta("quant", '{"group_size":32,"layout":"kivi","type":"int4"}')),
+                                     X),
+    "v4 labelled v3": (forge4(set_meta("format_version", "3")), X),
+    "v4 without quant": (forge4(_drop_quant), X),
+    "v4 sink moved (other body rows)": (forge4(set_kvpack("sink_tokens", 1)), X),
+}
+DATA_LEVEL_V4 = {"v4 key widths not summing to 16", "v4 key width 0", "v4 key width 9", "v4 grid NaN",
+                 "v4 grid negative scale base", "v4 sink moved (other body rows)"}
+
 # Checks that need the tensor data: read_header does not see these problems.
 CASES.update(CASES_V2)
 CASES.update(CASES_V3)
-DATA_LEVEL = DATA_LEVEL_V2 | {"v3 tensor checksum mismatch", "v3 positions decreasing"} | {
+CASES.update(CASES_V4)
+DATA_LEVEL = DATA_LEVEL_V2 | DATA_LEVEL_V4 | {"v3 tensor checksum mismatch", "v3 positions decreasing"} | {
     "tensor checksum mismatch",
     "head_lengths not summing",
     "head_lengths negative",

@@ -2,11 +2,11 @@
 """Disk size and retrieval accuracy of quantized + zstd packs against the fp16 full cache.
 
 For each of ``--trials`` needle trials (``kvpack.evaluation.needle_trials``: one fact planted at a depth in a
-held-out passage of ``--tokens`` tokens), the context is compressed once with ``kvpack.compress`` (KVzip, keep
-``--ratio``); the same selection is then stored as four files: quant none / int4 (``kvpack.quant.quantize_pack``,
-which is what ``kvpack.compress(..., quant="int4")`` applies last) x zstd level 0 / ``--zstd-level``. Every byte
-of every file is counted (header with metadata and checksums, token ids, positions, scales, mins). Each variant
-is loaded back from its bytes and asked the fact's question (greedy, ``kvpack.generate``).
+held-out passage of ``--tokens`` tokens), the context is compressed with ``kvpack.compress`` (KVzip, keep
+``--ratio``) without quantization and with ``--quant`` in ``--layout`` (the same selection: compression is
+deterministic); each is stored as two files, zstd level 0 and ``--zstd-level``. Every byte of every file is counted
+(header with metadata and checksums, token ids, positions, group parameters, code widths). Each variant is loaded
+back from its bytes and asked the fact's question (greedy, ``kvpack.generate``).
 
 Two references for "the fp16 full cache":
   * ``fp16 KV``: layers x kv_heads x tokens x head_dim x 2 (K and V) x 2 bytes, tokens including the chat
@@ -14,23 +14,20 @@ Two references for "the fp16 full cache":
   * ``fp16 file``: a keep-everything (ratio 1.0) pack in float16 saved without zstd (adds positions, token ids
     and the header), for comparison.
 
-The packs' full-precision rows (attention sink and residual) are cast to ``--kv-dtype`` (default float16)
-before quantizing, so all sizes are fp16-based whatever dtype the model runs in; the retrieval runs use the same
-packs.
+The packs' full-precision rows (the attention sink, and the KIVI layout's residual rows) are cast to
+``--kv-dtype`` (default float16), so all sizes are fp16-based whatever dtype the model runs in; the retrieval runs
+use the same packs.
 
-With ``--ablation`` three more variants are asked the question (retrieval only, not stored): keys quantized
-and values kept, values quantized and keys kept (both with ``--quant``), and keys int8 with values ``--quant``.
+With ``--ablation`` three more variants are asked the question (retrieval only, not stored; all in the KIVI
+layout, ``kvpack.quant.quantize_pack(..., layout="kivi")``): keys quantized and values kept, values quantized and
+keys kept (both with ``--quant``), and keys int8 with values ``--quant``.
 They show which half of the cache the accuracy loss comes from. With ``--key-layouts`` three other ways of
 quantizing the keys are asked too, each with the values as ``--quant``: keys per token (groups along head_dim,
 like the values), keys per channel in groups of half ``--group-size`` tokens, and keys un-rotated to before RoPE,
 quantized per channel and rotated back (KVQuant, arXiv 2401.18079 §3.2; Llama-style rotary models only).
-With ``--bit-allocation`` the keys are quantized per channel as in the file, but each KV head's channels get their
-own code widths (2 to 8 bits, ``--quant``'s bits on average over the head's channels), chosen where the context's
-own queries would see the error (``allocate_key_bits``); values as ``--quant``. It measures what a future quant
-type could gain at the same code bits; no file format stores it yet.
 
-    python tools/bench_quant.py --tokens 4096 --trials 50            # the figures for BENCHMARKS.md
-    python tools/bench_quant.py --tokens 4096 --trials 300 --ablation --key-layouts
+    python tools/bench_quant.py --tokens 4096 --trials 300 --group-size 64 --zstd-level 19   # BENCHMARKS.md
+    python tools/bench_quant.py --tokens 4096 --trials 300 --layout kivi --ablation --key-layouts
     python tools/bench_quant.py --tokens 1024 --trials 4             # a quick check
 """
 
@@ -54,7 +51,7 @@ from kvpack.fileformat import load_pack, pack_to_bytes  # noqa: E402
 from kvpack.loading import cache_from_pack  # noqa: E402
 from kvpack.model import model_spec  # noqa: E402
 from kvpack.pack import LayerEntries, Pack  # noqa: E402
-from kvpack.quant import body_row_mask, dequantize_layer, quantize_groups, quantize_pack, split_lengths  # noqa: E402
+from kvpack.quant import dequantize_layer, quantize_pack  # noqa: E402
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -98,80 +95,21 @@ def key_layout_keys(model, base: Pack, qtype: str, group_size: int) -> dict[str,
     dtype = base.layers[0].keys.dtype
     as_values = Pack(base.token_ids, [LayerEntries(l.keys, l.keys, l.positions, l.head_lengths) for l in base.layers],
                      base.sink_tokens, dict(base.metadata))  # per token: quantize the keys the way values are
-    per_token = [dequantize_layer(l, dtype).values for l in quantize_pack(as_values, qtype, group_size).layers]
-    half = [dequantize_layer(l, dtype).keys for l in quantize_pack(base, qtype, max(1, group_size // 2)).layers]
+    per_token = [dequantize_layer(l, dtype).values for l in quantize_pack(as_values, qtype, group_size, C.QUANT_LAYOUT_KIVI).layers]
+    half = [dequantize_layer(l, dtype).keys for l in quantize_pack(base, qtype, max(1, group_size // 2), C.QUANT_LAYOUT_KIVI).layers]
     out = {"keys per token": per_token, f"keys in groups of {max(1, group_size // 2)}": half}
     if hasattr(getattr(model, "model", None), "rotary_emb"):
         pre = with_keys(base, [rotate_keys(model, l.keys, l.positions, True).to(torch.float32) for l in base.layers])
         out["keys pre-RoPE"] = [rotate_keys(model, dequantize_layer(q, torch.float32).keys, l.positions, False).to(dtype)
-                                for q, l in zip(quantize_pack(pre, qtype, group_size).layers, base.layers)]
+                                for q, l in zip(quantize_pack(pre, qtype, group_size, C.QUANT_LAYOUT_KIVI).layers, base.layers)]
     return out
 
 
-@torch.inference_mode()
-def query_channel_energy(model, token_ids: torch.Tensor) -> list[torch.Tensor]:
-    """Per layer, ``[kv_heads, head_dim]`` float64: the mean of ``q_c**2`` over the context's queries (after RoPE,
-    over the query heads of each GQA group), from one plain forward with hooks on ``q_proj`` (Llama-style
-    attention with ``model.model.rotary_emb``)."""
-    captured = {}
-    layers = model.model.layers
-    hooks = [layer.self_attn.q_proj.register_forward_hook(lambda _m, _i, out, l=l: captured.__setitem__(l, out[0]))
-             for l, layer in enumerate(layers)]
-    try:
-        model.model(input_ids=token_ids.long()[None].to(model.device), use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    spec = model_spec(model)
-    tokens = token_ids.shape[0]
-    cos, sin = model.model.rotary_emb(torch.zeros(1), torch.arange(tokens)[None])
-    out = []
-    for l in range(len(layers)):
-        q = captured[l].float().cpu().view(tokens, spec.num_heads, spec.head_dim).transpose(0, 1)
-        half = spec.head_dim // 2
-        q = q * cos[0] + torch.cat([-q[..., half:], q[..., :half]], dim=-1) * sin[0]
-        out.append(q.double().pow(2).reshape(spec.num_kv_heads, -1, spec.head_dim).mean(dim=1))
-    return out
-
-
-def allocate_key_bits(weights: torch.Tensor, mean_bits: int, low: int = 2, high: int = 8) -> torch.Tensor:
-    """Integer code widths ``[channels]`` in ``[low, high]`` summing to ``mean_bits x channels`` that minimise
-    ``sum_c weights[c] x 4**-bits[c]`` (greedy: each extra bit goes where it removes the most weighted error;
-    the classic rate-distortion allocation, error variance ~ step**2 ~ 4**-bits)."""
-    bits = torch.full(weights.shape, low, dtype=torch.int64)
-    for _ in range((mean_bits - low) * weights.numel()):
-        gain = torch.where(bits < high, weights * 4.0 ** (-bits.double()), torch.full_like(weights, -1.0))
-        bits[int(gain.argmax())] += 1
-    return bits
-
-
-def bit_allocated_keys(base: Pack, energy: list[torch.Tensor], bits: int, group_size: int) -> list[torch.Tensor]:
-    """Each layer's keys with the quantized body rows (``kvpack.quant.split_lengths``) replaced by per-channel
-    codes of per-head widths (``allocate_key_bits``, weights: query energy x mean squared group range), groups of
-    ``group_size`` rows per channel as in the file; dequantized, in ``base``'s dtype."""
-    out = []
-    for ent, e in zip(base.layers, energy):
-        sink, body, _ = split_lengths(ent.positions, ent.head_lengths, base.sink_tokens, group_size)
-        is_body = body_row_mask(ent.head_lengths, sink, body)
-        keys = ent.keys.clone()
-        rows, start, pieces = keys[is_body].double(), 0, []
-        for h, b in enumerate(body.tolist()):
-            w = rows[start : start + b]
-            start += b
-            if b == 0:
-                pieces.append(w)
-                continue
-            groups = w.T.reshape(w.shape[1], -1, group_size)  # [channels, groups, G]
-            ranges = (groups.amax(-1) - groups.amin(-1)).pow(2).mean(dim=1)
-            widths = allocate_key_bits(e[h] * ranges, bits)
-            deq = torch.empty_like(w)
-            for c in range(w.shape[1]):
-                codes, scales, mins = quantize_groups(groups[c], 2 ** int(widths[c]) - 1)
-                deq[:, c] = (codes.double() * scales.double()[:, None] + mins.double()[:, None]).reshape(-1)
-            pieces.append(deq)
-        keys[is_body] = torch.cat(pieces).to(keys.dtype)
-        out.append(keys)
-    return out
+def cast_rows(pack: Pack, dtype: torch.dtype) -> Pack:
+    """``pack`` (quantized or not) with its full-precision rows cast to ``dtype`` (the quantized rows unchanged)."""
+    layers = [LayerEntries(l.keys.to(dtype), l.values.to(dtype), l.positions, l.head_lengths, l.quant)
+              for l in pack.layers]
+    return Pack(pack.token_ids, layers, pack.sink_tokens, dict(pack.metadata))
 
 
 def fp16_kv_bytes(model, tokens: int) -> int:
@@ -201,8 +139,8 @@ def main() -> None:
                     help="also ask: --quant keys only, --quant values only, int8 keys + --quant values")
     ap.add_argument("--key-layouts", action="store_true",
                     help="also ask: keys per token, keys in half-size groups, pre-RoPE keys (values: --quant)")
-    ap.add_argument("--bit-allocation", action="store_true",
-                    help="also ask: keys with query-weighted per-channel code widths (mean: --quant's bits)")
+    ap.add_argument("--layout", default=C.DEFAULT_QUANT_LAYOUT, choices=C.QUANT_LAYOUTS,
+                    help="quantized layout of the stored --quant packs (compact: format v4; kivi: v2/v3)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args()
 
@@ -211,14 +149,12 @@ def main() -> None:
     kv_dtype = _DTYPES[args.kv_dtype]
     variants = [(q, z) for q in (C.QUANT_NONE, args.quant) for z in (0, args.zstd_level)]
     sizes = {v: [] for v in variants}
-    ablations = ([f"{args.quant} keys only", f"{args.quant} values only", f"int8 keys + {args.quant} values"]
-                 if args.ablation else [])
+    q = f"KIVI {args.quant}"
+    ablations = [f"{q} keys only", f"{q} values only", f"KIVI int8 keys + {args.quant} values"] if args.ablation else []
     if args.key_layouts:
-        ablations += [f"{args.quant} keys per token", f"{args.quant} keys in groups of {max(1, args.group_size // 2)}"]
+        ablations += [f"{q} keys per token", f"{q} keys in groups of {max(1, args.group_size // 2)}"]
         if hasattr(getattr(model, "model", None), "rotary_emb"):
-            ablations.append(f"{args.quant} keys pre-RoPE")
-    if args.bit_allocation:
-        ablations.append(f"{args.quant} keys with per-channel widths")
+            ablations.append(f"{q} keys pre-RoPE")
     correct = {q: [] for q in (C.QUANT_NONE, args.quant, *ablations)}
     answers = {q: [] for q in (C.QUANT_NONE, args.quant, *ablations)}
     full_kv, full_file, errors = [], [], []
@@ -227,7 +163,10 @@ def main() -> None:
         base = kvpack.compress(model, tok, trial.context, method=args.method, ratio=args.ratio,
                                chunk_size=args.chunk_size)
         base = cast_pack(base, kv_dtype)
-        packs = {C.QUANT_NONE: base, args.quant: quantize_pack(base, args.quant, args.group_size)}
+        quantized = kvpack.compress(model, tok, trial.context, method=args.method, ratio=args.ratio,
+                                    chunk_size=args.chunk_size, quant=args.quant, group_size=args.group_size,
+                                    quant_layout=args.layout)
+        packs = {C.QUANT_NONE: base, args.quant: cast_rows(quantized, kv_dtype)}
         errors.append(packs[args.quant].metadata["stats"]["quant_error"])
         full_kv.append(fp16_kv_bytes(model, base.original_tokens))
         everything = kvpack.compress(model, tok, trial.context, ratio=1.0, chunk_size=args.chunk_size)
@@ -242,21 +181,16 @@ def main() -> None:
             answers[q].append(answer)
             correct[q].append(tasks.answer_matches(answer, trial.fact))
         if ablations:
-            quantized = packs[args.quant]
+            quantized = quantize_pack(base, args.quant, args.group_size, C.QUANT_LAYOUT_KIVI)
             variants = []
             if args.ablation:
-                int8 = quantize_pack(base, "int8", args.group_size)
+                int8 = quantize_pack(base, "int8", args.group_size, C.QUANT_LAYOUT_KIVI)
                 variants += [mixed_pack(base, quantized, None), mixed_pack(base, None, quantized),
                              mixed_pack(base, int8, quantized)]
             if args.key_layouts:
                 values_only = mixed_pack(base, None, quantized)
                 variants += [with_keys(values_only, keys)
                              for keys in key_layout_keys(model, base, args.quant, args.group_size).values()]
-            if args.bit_allocation:
-                energy = query_channel_energy(model, base.token_ids)
-                variants.append(with_keys(mixed_pack(base, None, quantized),
-                                          bit_allocated_keys(base, energy, C.QUANT_TYPES[args.quant].bits,
-                                                             args.group_size)))
             for name, mixed in zip(ablations, variants):
                 answer = kvpack.generate(model, tok, cache_from_pack(mixed, model, tok), question,
                                          max_new_tokens=args.max_new_tokens)
@@ -271,7 +205,7 @@ def main() -> None:
     print(f"command: python tools/bench_quant.py {' '.join(sys.argv[1:])}")
     print(f"model: {args.model or 'embedded reference model'}; {args.method} keep {args.ratio}; "
           f"{n} trials of ~{args.tokens} context tokens ({base.original_tokens} cached tokens in the last one); "
-          f"group size {args.group_size}; stored float rows {args.kv_dtype}\n")
+          f"group size {args.group_size}, {args.layout} layout; stored float rows {args.kv_dtype}\n")
     print(f"fp16 KV of the full cache: {statistics.mean(full_kv):,.0f} bytes (mean); "
           f"keep-everything fp16 file: {statistics.mean(full_file):,.0f} bytes\n")
     print("| quant | zstd | bytes on disk (mean) | x smaller than fp16 KV (mean / worst) | x smaller than fp16 file |")

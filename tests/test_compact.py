@@ -1,0 +1,315 @@
+"""The compact quantized layout (format version 4, ``kvpack.compact``): widths, bit strings, grids, layers, files."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+
+import pytest
+import torch
+
+import kvpack
+from kvpack import constants as C
+from kvpack.compact import (
+    allocate_widths,
+    compact_problem,
+    compact_split,
+    group_index,
+    min_codes,
+    min_grid,
+    pack_bits,
+    scale_codes,
+    scale_table,
+    unpack_bits,
+)
+from kvpack.errors import InputError
+from kvpack.fileformat import load_pack, pack_to_bytes, read_header
+from kvpack.pack import LayerEntries, Pack
+from kvpack.quant import dequantize_rows, pack_codes, quantize_layer, quantize_pack
+
+from .golden_packs import GOLDEN_DIR, GOLDEN_V4, golden_unquantized_for_int
+from .test_fileformat_v2 import assert_packs_equal
+from .tiny import TEXT, tiny_model
+
+
+# --- key code widths --------------------------------------------------------------------------------------------
+
+
+def _objective(w: torch.Tensor, bits: torch.Tensor) -> float:
+    return float((w * torch.pow(4.0, -bits.double())).sum())
+
+
+def test_allocation_is_optimal_against_exhaustive_search():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        w = torch.rand(1, 4, generator=gen, dtype=torch.float64) ** 4 * 100
+        got = allocate_widths(w, 4)[0]
+        assert int(got.sum()) == 16 and int(got.min()) >= 2 and int(got.max()) <= 8
+        best = min(_objective(w[0], torch.tensor(c)) for c in itertools.product(range(2, 9), repeat=4)
+                   if sum(c) == 16)
+        assert _objective(w[0], got) == pytest.approx(best, rel=1e-12)
+
+
+def test_allocation_edge_cases():
+    w = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [1e6, 0.0, 0.0, 0.0], [float("nan"), 1, 1, 1]])
+    got = allocate_widths(w, 4)
+    assert got[0].tolist() == [4, 4, 4, 4]  # equal weights: one width
+    assert got[1].tolist() == [4, 4, 4, 4]  # no query energy: one width
+    assert got[2].tolist() == [8, 4, 2, 2]  # one dominant channel takes the most bits (ties: lowest channel)
+    assert got[3].tolist() == [4, 4, 4, 4]  # not finite: one width
+    assert allocate_widths(torch.rand(3, 8), 8).tolist() == [[8] * 8] * 3  # int8: nothing to move
+
+
+# --- bit strings -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7])
+def test_bit_strings_round_trip_any_widths(rows):
+    gen = torch.Generator().manual_seed(rows)
+    for widths in ([1, 7, 8, 8, 4, 4, 2, 6], [3, 5, 3, 5, 3, 5, 3, 5], [8] * 8):
+        w = torch.tensor(widths)
+        codes = (torch.rand(rows, 8, generator=gen) * 2.0 ** w).floor().long()
+        packed = pack_bits(codes, w)
+        assert packed.dtype == torch.uint8 and packed.shape == (rows, sum(widths) // 8)
+        assert torch.equal(unpack_bits(packed, w), codes.float())
+
+
+def test_uniform_widths_are_the_kivi_packing():
+    codes = torch.randint(0, 16, (5, 6))
+    assert torch.equal(pack_bits(codes, torch.full((6,), 4)), pack_codes(codes, "int4"))
+    codes = torch.randint(0, 256, (5, 6))
+    assert torch.equal(pack_bits(codes, torch.full((6,), 8)), pack_codes(codes, "int8"))
+
+
+def test_bit_order_is_little_endian_channel_first():
+    # channel 0: 3 bits = 0b101, channel 1: 5 bits = 0b10011 -> row bits 1,0,1, 1,1,0,0,1 -> byte 0b10011101
+    assert pack_bits(torch.tensor([[5, 19]]), torch.tensor([3, 5])).tolist() == [[0b10011101]]
+
+
+# --- parameter grids ----------------------------------------------------------------------------------------------
+
+
+def test_scale_codes_round_up_to_the_nearest_grid_scale():
+    needed = torch.tensor([[0.0, 1e-9], [0.5, 3.0], [0.013, 7.0], [0.25, 0.001]], dtype=torch.float64)
+    codes, scales, base = scale_codes(needed)
+    table = scale_table(base)
+    assert torch.equal(scales, table.gather(1, codes.long().t()).t())
+    assert bool((scales.double() >= needed).all())
+    below = table.gather(1, (codes.long() - 1).clamp(min=0).t()).t().double()
+    assert bool(((codes == 0) | (below < needed)).all())  # the smallest code that covers
+    assert codes[0, 0] == 0 and scales[0, 0] == 0  # a constant group: scale 0
+    assert int(codes[2, 1]) == 255  # the column's largest scale takes the top code
+    k = torch.arange(1, 256)
+    mult = (32 + (k & 31)).double() * torch.pow(2.0, (k >> 5).double() - 12)
+    assert torch.equal(table[:, 1:], (base.double()[:, None] * mult).float())  # one float32 rounding
+    assert bool((table[:, 1:].diff(dim=1) > 0).all())
+
+
+def test_min_codes_round_down_onto_the_grid():
+    mins = torch.tensor([[-3.0, 1.5, 0.0], [2.7, 1.5, -0.1], [0.3333, 1.5, 5.0]], dtype=torch.float64)
+    base, step = min_grid(mins)
+    codes, stored = min_codes(mins, base, step)
+    assert bool((stored.double() <= mins).all())
+    above = (codes.float() + 1) * step + base
+    assert bool(((codes == 255) | (step == 0) | (above.double() > mins)).all())  # the largest code not above
+    assert step[1] == 0 and bool((codes[:, 1] == 0).all()) and bool((stored[:, 1] == 1.5).all())
+
+
+def test_group_index_gives_partial_last_groups():
+    gidx, head_of_group = group_index(torch.tensor([5, 0, 2, 4]), 2)
+    assert gidx.tolist() == [0, 0, 1, 1, 2, 3, 3, 4, 4, 5, 5]
+    assert head_of_group.tolist() == [0, 0, 0, 2, 3, 3]
+
+
+# --- layers ---------------------------------------------------------------------------------------------------------
+
+
+def _layer(lengths, d=8, dv=8, sink=2, seed=0, outliers=True) -> LayerEntries:
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    keys = torch.randn(n, d, generator=gen) * torch.linspace(0.1, 4.0, d)
+    values = torch.randn(n, dv, generator=gen)
+    if outliers and n > 3:
+        keys[3, 0], values[2, 1] = 60.0, -40.0
+        keys[:, d - 1] = 0.75  # a constant channel: scale-0 groups
+    positions = torch.cat([torch.arange(m) for m in lengths]).to(torch.int32)
+    return LayerEntries(keys, values, positions, torch.tensor(lengths))
+
+
+def _check_bound(layer: LayerEntries, q: LayerEntries) -> None:
+    """Every quantized element is within scale/2 of its original (float32 arithmetic slack)."""
+    qr = q.quant
+    keys, values = dequantize_rows(qr)
+    sink, body = compact_split(layer.positions, layer.head_lengths, 2, qr.group_size)
+    mask = torch.zeros(layer.num_entries, dtype=torch.bool)
+    start = 0
+    for s, b, n in zip(sink.tolist(), body.tolist(), layer.head_lengths.tolist()):
+        mask[start + s : start + s + b] = True
+        start += n
+    d = keys.shape[1]
+    grid = qr.quant_grid
+    gidx, _ = group_index(qr.body_lengths, qr.group_size)
+    k_scale = scale_table(grid[2, :d]).gather(1, qr.key_params[1].t().long()).t()[gidx]
+    assert bool(((keys - layer.keys[mask]).abs() <= k_scale / 2 * (1 + 1e-5) + 1e-6).all())
+    v_scale = scale_table(grid[2, d:]).gather(1, qr.value_params[1].t().long()).t()
+    gv = values.shape[1] // v_scale.shape[1]
+    bound = v_scale.repeat_interleave(gv, dim=1) / 2 * (1 + 1e-5) + 1e-6
+    assert bool(((values - layer.values[mask]).abs() <= bound).all())
+    assert torch.equal(q.keys, layer.keys[~mask]) and torch.equal(q.values, layer.values[~mask])
+
+
+@pytest.mark.parametrize("qtype", ["int4", "int8"])
+@pytest.mark.parametrize("lengths", [[40, 3], [2, 50, 33], [0, 34], [5, 5]])
+def test_compact_layer_error_bound_and_split(qtype, lengths):
+    layer = _layer(lengths)
+    energy = torch.rand(len(lengths), 8, generator=torch.Generator().manual_seed(1)) ** 3
+    q = quantize_layer(layer, 2, qtype, 16, "compact", energy)
+    sink, body = compact_split(layer.positions, layer.head_lengths, 2, 16)
+    assert q.quant.body_lengths.tolist() == body.tolist()
+    assert body.tolist() == [n - 2 if n - 2 >= 16 else 0 for n in lengths]  # every non-sink row, or none
+    widths = q.quant.key_bits.long()
+    assert widths.sum(dim=1).tolist() == [8 * C.QUANT_TYPES[qtype].bits] * len(lengths)
+    _check_bound(layer, q)
+    assert compact_problem(q.quant, 8, 8) is None
+
+
+def test_compact_all_zero_and_constant_groups_are_exact():
+    layer = _layer([40], outliers=False)
+    layer.keys[:] = 0.0
+    layer.values[:] = 3.25
+    q = quantize_layer(layer, 2, "int4", 32, "compact", torch.ones(1, 8))
+    deq = q.dequantized(torch.float32)
+    assert torch.equal(deq.keys, layer.keys) and torch.equal(deq.values, layer.values)
+
+
+def test_widths_follow_the_query_energy():
+    layer = _layer([66], outliers=False)
+    energy = torch.ones(1, 8)
+    energy[0, 2] = 1e4  # the queries read channel 2
+    q = quantize_layer(layer, 2, "int4", 32, "compact", energy)
+    widths = q.quant.key_bits[0].tolist()
+    assert widths[2] == max(widths) >= 6 and sum(widths) == 32
+    uniform = quantize_layer(layer, 2, "int4", 32, "compact", None)
+    assert uniform.quant.key_bits[0].tolist() == [4] * 8
+    err = {name: (x.dequantized(torch.float32).keys[:, 2] - layer.keys[:, 2]).abs().mean()
+           for name, x in (("allocated", q), ("uniform", uniform))}
+    assert err["allocated"] < err["uniform"] / 3  # 2+ more bits: 4x smaller steps
+
+
+def test_compact_problem_names_bad_widths_and_grids():
+    q = quantize_layer(_layer([40, 20]), 2, "int4", 16, "compact", torch.ones(2, 8)).quant
+    q.key_bits = q.key_bits.clone()
+    q.key_bits[0, 0] += 1
+    assert "sum to 32" in compact_problem(q, 8, 8)
+    q.key_bits[0, 0] = 9
+    q.key_bits[0, 1] -= 5
+    assert "must lie in [1, 8]" in compact_problem(q, 8, 8)
+    q.key_bits[0] = 4
+    q.quant_grid = q.quant_grid.clone()
+    q.quant_grid[1, 0] = float("nan")
+    assert "finite" in compact_problem(q, 8, 8)
+    q.quant_grid[1, 0] = -1.0
+    assert "non-negative" in compact_problem(q, 8, 8)
+    q.quant_grid[1, 0] = 0.0
+    q.key_params = q.key_params[:, :-1]
+    assert "quant.key_params must be" in compact_problem(q, 8, 8)
+
+
+# --- files -----------------------------------------------------------------------------------------------------------
+
+
+def test_compact_golden_file_is_reproduced_and_loads_back():
+    for name, (make, level) in GOLDEN_V4.items():
+        data = (GOLDEN_DIR / name).read_bytes()
+        assert pack_to_bytes(make(), level) == data
+        header = read_header(data)
+        assert (header.format_version, header.quant_layout, header.checksum) == (4, "compact", "xxh3")
+        assert_packs_equal(load_pack(data), make())
+        pack = load_pack(data)
+        assert [l.quant.body_lengths.tolist() for l in pack.layers] == [[36, 0], [46, 33]]
+        assert pack.layers[0].quant.key_bits.tolist()[0] == [7, 4, 3, 2]
+
+
+def test_compact_pack_needs_xxh3_and_kivi_files_keep_their_versions():
+    compact = quantize_pack(golden_unquantized_for_int(), "int4", 32)
+    with pytest.raises(InputError, match="checksum='xxh3'"):
+        pack_to_bytes(compact, 0, "sha256")
+    kivi = quantize_pack(golden_unquantized_for_int(), "int4", 32, "kivi")
+    assert read_header(pack_to_bytes(kivi, 0, "sha256")).format_version == 2
+    assert read_header(pack_to_bytes(kivi, 0)).format_version == 3
+    assert read_header(pack_to_bytes(compact, 3)).format_version == 4
+
+
+def test_quantize_pack_checks_query_energy_shapes():
+    pack = golden_unquantized_for_int()
+    with pytest.raises(InputError, match="query_energy"):
+        quantize_pack(pack, "int4", 32, "compact", [torch.ones(2, 4)])
+    with pytest.raises(InputError, match="layout"):
+        quantize_pack(pack, "int4", 32, "kivi2")
+
+
+def test_compress_records_the_query_energy_of_the_context_queries():
+    """The prefill's query energy (mean q_c^2 after RoPE over the GQA group) equals one computed from a plain
+    forward with hooks, for methods with and without their own recorder and with an observation question."""
+    compress_module = importlib.import_module("kvpack.compress")
+    model, tok = tiny_model("llama")
+    text = TEXT * 3
+    seen = {}
+    original = compress_module.quantize_pack
+
+    def spy(pack, qtype, group_size, layout, energy):
+        seen["energy"], seen["ids"] = energy, pack.token_ids
+        return original(pack, qtype, group_size, layout, energy)
+
+    compress_module.quantize_pack = spy
+    try:
+        for method in ("kvzip", "h2o", "snapkv", "none"):
+            kvpack.compress(model, tok, text, method=method, ratio=0.5, chunk_size=40, quant="int4")
+            reference = _hooked_energy(model, seen["ids"])
+            assert len(seen["energy"]) == len(reference)
+            for got, want in zip(seen["energy"], reference):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)
+    finally:
+        compress_module.quantize_pack = original
+
+
+def _hooked_energy(model, token_ids) -> list[torch.Tensor]:
+    captured = {}
+    hooks = [layer.self_attn.q_proj.register_forward_hook(lambda _m, _i, out, l=l: captured.__setitem__(l, out[0]))
+             for l, layer in enumerate(model.model.layers)]
+    with torch.inference_mode():
+        model.model(input_ids=token_ids[None], use_cache=False)
+    for h in hooks:
+        h.remove()
+    cfg = model.config
+    heads, kv_heads, dim, n = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, token_ids.shape[0]
+    cos, sin = model.model.rotary_emb(torch.zeros(1), torch.arange(n)[None])
+    out = []
+    for l in range(len(model.model.layers)):
+        q = captured[l].view(n, heads, dim).transpose(0, 1)
+        q = q * cos[0] + torch.cat([-q[..., dim // 2 :], q[..., : dim // 2]], dim=-1) * sin[0]
+        out.append(q.double().pow(2).reshape(kv_heads, -1, dim).mean(dim=1))
+    return out
+
+
+def test_compact_build_generates_like_the_kivi_one(tmp_path):
+    model, tok = tiny_model("llama")
+    text = TEXT * 3
+    for layout in ("compact", "kivi"):
+        pack = kvpack.compress(model, tok, text, ratio=0.5, chunk_size=64, quant="int4", quant_layout=layout)
+        path = tmp_path / f"{layout}.kvpack"
+        kvpack.save(pack, path)
+        cache = kvpack.load(path, model)
+        assert cache.get_seq_length() == pack.original_tokens
+        assert isinstance(kvpack.generate(model, tok, cache, "What is the secret code of Alice?",
+                                          max_new_tokens=3), str)
+    with pytest.raises(InputError, match="layout"):
+        kvpack.compress(model, tok, text, ratio=0.5, quant="int4", quant_layout="kivi2")
+
+
+def test_pack_with_mixed_layouts_is_refused():
+    a = quantize_pack(golden_unquantized_for_int(), "int4", 32)
+    b = quantize_pack(golden_unquantized_for_int(), "int4", 32, "kivi")
+    mixed = Pack(a.token_ids, [a.layers[0], b.layers[1]], a.sink_tokens, dict(a.metadata))
+    with pytest.raises(InputError, match="layout"):
+        pack_to_bytes(mixed)
