@@ -4,8 +4,9 @@ Writing is deterministic (the same ``Pack`` and settings always give the same by
 length, offset, shape and checksum before any tensor is handed out, and every failure is a ``PackFormatError``
 subclass (or ``InputError`` for a path that cannot be read) whose message names the file, the problem and the fix.
 
-A file declares the lowest version whose features it uses: version 3 when its tensor checksums are XXH3-128 (the
-default: ``save(..., checksum="xxh3")``); otherwise (SHA-256 tensor checksums) version 2 when it has quantized
+A file declares the lowest version whose features it uses: version 4 when its layers are quantized in the compact
+layout (``kvpack.compact``; XXH3-128 checksums); version 3 when its tensor checksums are XXH3-128 (the default:
+``save(..., checksum="xxh3")``); otherwise (SHA-256 tensor checksums) version 2 when it has quantized
 layers (``kvpack.quant``) or zstd-compressed tensors (``save(..., zstd_level=N)``), else version 1. Compressed
 tensors are decoded only after their checksum matched and their zstd frame declared exactly the size the header
 records, so a damaged or hostile frame never allocates more.
