@@ -162,6 +162,19 @@ def pack_bits(codes: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.packbits(stream, axis=1, bitorder="little"))
 
 
+def _placements(widths: torch.Tensor) -> torch.Tensor:
+    """``[heads, sum(widths[0]), channels]`` float32: ``2**j`` at ``(o_c + j, c)`` for ``j < widths[h, c]``, the
+    matrix that sums a row's bits into its channels' codes (``widths``: ``[heads, channels]``, equal row sums)."""
+    heads, channels = widths.shape
+    j = torch.arange(C.MAX_KEY_BITS)
+    used = j[None, None, :] < widths[:, :, None]  # [heads, channels, 8]
+    rows = (torch.cumsum(widths, 1) - widths)[:, :, None] + j  # row bit of each (channel, j)
+    place = torch.zeros(heads, int(widths[0].sum()), channels)
+    h, c, k = used.nonzero(as_tuple=True)
+    place[h, rows[h, c, k], c] = torch.pow(2.0, k.float())
+    return place
+
+
 def unpack_bits(packed: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
     """Inverse of ``pack_bits``: float32 codes ``[rows, channels]``.
 
@@ -169,15 +182,10 @@ def unpack_bits(packed: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
     ``[bits, channels]`` matrix of ``2**j`` at ``(o_c + j, c)``: exact in float32 (codes below 256).
     """
     widths = widths.to(torch.int64)
-    rows = packed.shape[0]
-    if rows == 0:
+    if packed.shape[0] == 0:
         return torch.zeros(0, widths.shape[0])
     bits = torch.from_numpy(np.unpackbits(packed.contiguous().numpy(), axis=1, bitorder="little")).float()
-    offsets = torch.cumsum(widths, 0) - widths
-    place = torch.zeros(bits.shape[1], widths.shape[0])
-    for c, (o, w) in enumerate(zip(offsets.tolist(), widths.tolist())):
-        place[o : o + w, c] = 2.0 ** torch.arange(w, dtype=torch.float32)
-    return bits @ place
+    return bits @ _placements(widths[None])[0]
 
 
 def group_index(body_lengths: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,18 +203,25 @@ def group_index(body_lengths: torch.Tensor, group_size: int) -> tuple[torch.Tens
 
 def _decode_key_codes(key_codes: torch.Tensor, key_bits: torch.Tensor, body: torch.Tensor, bits: int
                       ) -> torch.Tensor:
-    """Float32 key codes ``[Q, head_dim]`` of every body row (each head's rows with its widths)."""
+    """Float32 key codes ``[Q, head_dim]`` of every body row (each head's rows with its widths): one bit expansion
+    for all rows, then one product per head with its ``_placements`` matrix."""
     from .quant import _codes_as_float
 
     widths = key_bits.to(torch.int64)
     if bool((widths == bits).all()):
         return _codes_as_float(key_codes, "int8" if bits == 8 else "int4")
-    out, start = [], 0
+    q = key_codes.shape[0]
+    out = torch.empty(q, widths.shape[1])
+    if q == 0:
+        return out
+    expanded = torch.from_numpy(np.unpackbits(key_codes.contiguous().numpy(), axis=1, bitorder="little")).float()
+    place = _placements(widths)
+    start = 0
     for h, b in enumerate(body.tolist()):
         if b:
-            out.append(unpack_bits(key_codes[start : start + b], widths[h]))
+            torch.mm(expanded[start : start + b], place[h], out=out[start : start + b])
         start += b
-    return torch.cat(out) if out else torch.zeros(0, widths.shape[1])
+    return out
 
 
 def dequantize_compact(qr) -> tuple[torch.Tensor, torch.Tensor]:

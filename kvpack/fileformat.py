@@ -189,13 +189,14 @@ def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
             damage but not deliberate tampering) or ``"sha256"`` (cryptographic; readable by kvpack 0.1). The
             header's own checksum is SHA-256 either way.
 
-    The file is format version 3 with ``checksum="xxh3"``; with ``"sha256"`` it is version 1 if the pack is not
-    quantized and ``zstd_level`` is 0, else version 2.
+    The file is format version 4 if the pack is quantized in the compact layout (``kvpack.compact``; XXH3-128 only),
+    else version 3 with ``checksum="xxh3"``; with ``"sha256"`` it is version 1 if the pack is not quantized and
+    ``zstd_level`` is 0, else version 2.
 
     Raises:
         InputError: the pack is inconsistent (see ``load_pack`` for the rules), has a dtype the format cannot
             hold, or its metadata is not plain JSON (or already has a ``sink_tokens`` key); a bad ``zstd_level``
-            or ``checksum``.
+            or ``checksum``; ``checksum="sha256"`` for a compact-layout pack.
     """
     problem = _pack_problem(pack)
     if problem is None and not isinstance(pack.metadata, dict):
@@ -205,6 +206,12 @@ def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
     if problem is not None:
         raise InputError(f"cannot write this pack: {problem}")
     check_storage_args(zstd_level, checksum)
+    quant = pack.layers[0].quant
+    compact = quant is not None and quant.layout == C.QUANT_LAYOUT_COMPACT
+    if compact and checksum != C.CHECKSUM_XXH3:
+        raise InputError("a pack quantized in the compact layout is written as format version 4, which uses XXH3-128 "
+                         "checksums; save it with checksum='xxh3', or quantize it with layout='kivi' for a "
+                         "version-2 file with SHA-256 checksums")
     try:
         kvpack_json = json.dumps({**pack.metadata, C.SINK_TOKENS_KEY: pack.sink_tokens}, **C.JSON_DUMPS_KWARGS)
     except (TypeError, ValueError) as exc:
@@ -215,7 +222,6 @@ def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
 
     i32 = C.DTYPE_BY_CODE[C.INDEX_INT_CODE]
     tensors = {C.TOKEN_IDS: pack.token_ids.to(i32), C.HEAD_LENGTHS: pack.head_lengths().to(i32)}
-    quant = pack.layers[0].quant
     for l, layer in enumerate(pack.layers):
         tensors[C.layer_tensor_name(l, C.KEYS)] = layer.keys
         tensors[C.layer_tensor_name(l, C.VALUES)] = layer.values
@@ -245,11 +251,6 @@ def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
         blobs.append((name, blob))
         end += len(blob)
 
-    compact = quant is not None and quant.layout == C.QUANT_LAYOUT_COMPACT
-    if compact and checksum != C.CHECKSUM_XXH3:
-        raise InputError("a pack quantized in the compact layout is written as format version 4, which uses XXH3-128 "
-                         "checksums; save it with checksum='xxh3', or quantize it with layout='kivi' for a "
-                         "version-2 file with SHA-256 checksums")
     if compact:
         version = C.FORMAT_VERSION_V4
     elif checksum == C.CHECKSUM_XXH3:

@@ -5,6 +5,10 @@ All timings are medians over ``--repeats`` runs, interleaved in one process so m
 alike; the ratios are what to quote.
 
     python tools/bench_main_job.py --tokens 4096 --ratio 0.3 --repeats 5
+    python tools/bench_main_job.py --tokens 4096 --ratio 0.3 --repeats 9 --quant int4 --group-size 64 --zstd-level 19
+
+With ``--quant`` the pack is quantized in the compact layout (format v4) and the second file loaded is the same
+selection in the KIVI layout (v3), so the two layouts' load times are compared side by side.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ def main() -> None:
     ap.add_argument("--chunk-size", type=int, default=2048, help="prefill and scoring chunk in tokens")
     ap.add_argument("--quant", default=C.QUANT_NONE, choices=[C.QUANT_NONE, *sorted(C.QUANT_TYPES)],
                     help="as kvpack build --quant")
+    ap.add_argument("--group-size", type=int, default=C.DEFAULT_GROUP_SIZE, choices=C.GROUP_SIZES,
+                    help="as kvpack build --group-size")
     ap.add_argument("--zstd-level", type=int, default=0, help="as kvpack build --zstd-level (0: off)")
     ap.add_argument("--checksum", default=C.DEFAULT_CHECKSUM, choices=C.CHECKSUMS,
                     help="as kvpack build --checksum; the other algorithm's file is loaded too, for comparison")
@@ -63,7 +69,10 @@ def main() -> None:
         return kvpack_prefill(model, ids[0].tolist(), sink, layout, spec, args.chunk_size,
                               recorder=method.recorder(spec, ids.shape[1], model.device))
 
-    other = next(c for c in C.CHECKSUMS if c != args.checksum)
+    # the second file loaded: the same pack with the other checksum; for a quantized (compact-layout) pack, which
+    # needs XXH3-128, the same selection quantized in the KIVI layout (format v3) instead
+    quantized = args.quant != C.QUANT_NONE
+    other = "KIVI-layout" if quantized else next(c for c in C.CHECKSUMS if c != args.checksum)
     rows = {k: [] for k in ("prefill", "attention", "build", "chunked prefill", "scoring", "save", "load",
                             "load other")}
     with tempfile.TemporaryDirectory() as tmp:
@@ -73,32 +82,43 @@ def main() -> None:
             rows["prefill"].append(timed(prefill)[0])
             rows["attention"].append(timed(attention)[0])
             t, pack = timed(lambda: kvpack.compress(model, tok, text, method=args.method, ratio=args.ratio,
-                                                     chunk_size=args.chunk_size, quant=args.quant))
+                                                     chunk_size=args.chunk_size, quant=args.quant,
+                                                     group_size=args.group_size))
             rows["build"].append(t)
             t, filled = timed(chunked_prefill)
             rows["chunked prefill"].append(t)
             rows["scoring"].append(timed(lambda: method.score(model, tok, filled))[0])
             rows["save"].append(timed(lambda: kvpack.save(pack, path, zstd_level=args.zstd_level,
                                                           checksum=args.checksum))[0])
-            kvpack.save(pack, other_path, zstd_level=args.zstd_level, checksum=other)
+            if quantized:
+                kivi = kvpack.compress(model, tok, text, method=args.method, ratio=args.ratio,
+                                       chunk_size=args.chunk_size, quant=args.quant, group_size=args.group_size,
+                                       quant_layout=C.QUANT_LAYOUT_KIVI)
+                kvpack.save(kivi, other_path, zstd_level=args.zstd_level, checksum=args.checksum)
+            else:
+                kvpack.save(pack, other_path, zstd_level=args.zstd_level, checksum=other)
             loads = [("load", path), ("load other", other_path)]
             for row, p in loads if rep % 2 == 0 else loads[::-1]:  # alternate: the first load after a build is slower
                 rows[row].append(timed(lambda: kvpack.load(p, model))[0])
         size = path.stat().st_size
     med = {k: statistics.median(v) for k, v in rows.items()}
     print(f"model {getattr(model, 'kvpack_name', '?')} on {model.device}, {ids.shape[1]} tokens, "
-          f"method {args.method}, ratio {args.ratio}, quant {args.quant}, zstd level {args.zstd_level}, "
+          f"method {args.method}, ratio {args.ratio}, quant {args.quant} (group size {args.group_size}), "
+          f"zstd level {args.zstd_level}, "
           f"checksum {args.checksum}, "
           f"{args.repeats} repeats (medians)")
     print("| step | median seconds | vs plain prefill |")
     print("|---|---|---|")
     labels = {"attention": "  of which attention (SDPA alone, every layer)", "chunked prefill": "  build: chunked prefill",
-              "scoring": "  build: scoring (method.score)", "load other": f"load, the same pack with {other} checksums"}
+              "scoring": "  build: scoring (method.score)",
+              "load other": (f"load, the same selection in the {other} file" if quantized
+                             else f"load, the same pack with {other} checksums")}
     for k in rows:
         print(f"| {labels.get(k, k)} | {med[k]:.4f} | {med[k] / med['prefill']:.3f}x |")
     print(f"\nKVzip build / prefill: {med['build'] / med['prefill']:.2f}x (target <= 2.1x)")
     print(f"re-prefill / load: {med['prefill'] / med['load']:.1f}x faster to load (target >= 100x); "
-          f"with {other} checksums {med['prefill'] / med['load other']:.1f}x")
+          f"{'the ' + other + ' file' if quantized else 'with ' + other + ' checksums'} "
+          f"{med['prefill'] / med['load other']:.1f}x")
     print(f"file: {size} bytes ({size / ids.shape[1]:.1f} bytes per context token)")
 
 
