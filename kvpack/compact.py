@@ -43,7 +43,9 @@ __all__ = [
     "group_index",
     "quantize_compact",
     "dequantize_compact",
+    "dequantize_compact_layers",
     "compact_problem",
+    "compact_values_problem",
 ]
 
 #: ``(32 + m) x 2**(e - 12)`` for scale codes ``e << 5 | m``: the multiplier of the column's scale base.
@@ -201,50 +203,76 @@ def group_index(body_lengths: torch.Tensor, group_size: int) -> tuple[torch.Tens
                                                                                       groups)
 
 
-def _decode_key_codes(key_codes: torch.Tensor, key_bits: torch.Tensor, body: torch.Tensor, bits: int
-                      ) -> torch.Tensor:
-    """Float32 key codes ``[Q, head_dim]`` of every body row (each head's rows with its widths): one bit expansion
-    for all rows, then one product per head with its ``_placements`` matrix."""
+def _key_codes(quants: list) -> torch.Tensor:
+    """Float32 key codes ``[Q, head_dim]`` of the body rows of ``quants`` (layers back to back).
+
+    Uniform widths take the KIVI unpacking. Otherwise a code of ``w <= 8`` bits at row bit ``o`` lies in the 16-bit
+    window of bytes ``o // 8`` and ``o // 8 + 1``: it is ``(window >> o % 8) & (2**w - 1)``, with the byte index,
+    shift and mask of each channel taken from its head (one table row per (layer, head), expanded to the rows).
+    """
     from .quant import _codes_as_float
 
-    widths = key_bits.to(torch.int64)
+    codes = quants[0].key_codes if len(quants) == 1 else torch.cat([q.key_codes for q in quants])
+    widths = torch.cat([q.key_bits for q in quants]).to(torch.int16)  # [layers x heads, D]
+    bits = quant_type_bits(quants[0].qtype)
     if bool((widths == bits).all()):
-        return _codes_as_float(key_codes, "int8" if bits == 8 else "int4")
-    q = key_codes.shape[0]
-    out = torch.empty(q, widths.shape[1])
-    if q == 0:
-        return out
-    expanded = torch.from_numpy(np.unpackbits(key_codes.contiguous().numpy(), axis=1, bitorder="little")).float()
-    place = _placements(widths)
-    start = 0
-    for h, b in enumerate(body.tolist()):
-        if b:
-            torch.mm(expanded[start : start + b], place[h], out=out[start : start + b])
-        start += b
-    return out
+        return _codes_as_float(codes, quants[0].qtype)
+    body = torch.cat([q.body_lengths for q in quants])
+    head_of_row = torch.repeat_interleave(torch.arange(body.shape[0]), body)
+    offsets = torch.cumsum(widths, 1, dtype=torch.int16) - widths
+    b = codes.to(torch.int16)
+    windows = b.clone()
+    windows[:, :-1] |= b[:, 1:] << 8
+    out = torch.gather(windows, 1, (offsets >> 3).long().index_select(0, head_of_row))
+    out.bitwise_right_shift_((offsets & 7).index_select(0, head_of_row))
+    out.bitwise_and_(((1 << widths) - 1).index_select(0, head_of_row))
+    return out.float()
+
+
+def quant_type_bits(qtype: str) -> int:
+    """Bits per code of ``qtype`` (8 for ``"int8"``, 4 for ``"int4"``)."""
+    return C.QUANT_TYPES[qtype].bits
+
+
+def _group_rows(body: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Rows of each key group ``[K]`` int64 (heads' groups back to back; a head's last group may be shorter)."""
+    groups = (body + group_size - 1) // group_size
+    rows = torch.full((int(groups.sum()),), group_size, dtype=torch.int64)
+    partial = body % group_size != 0
+    rows[(torch.cumsum(groups, 0) - 1)[partial]] = (body % group_size)[partial]
+    return rows
 
 
 def dequantize_compact(qr) -> tuple[torch.Tensor, torch.Tensor]:
     """The body rows of a compact-layout ``QuantizedRows``: keys ``[Q, head_dim]`` and values ``[Q, head_dim_v]``,
     float32, ``code x scale + min`` with the group's parameters from the layer's grids (``format/SPEC.md`` §5.6)."""
-    from .quant import _codes_as_float, quant_type, value_group_size
+    return dequantize_compact_layers([qr])
 
-    spec = quant_type(qr.qtype)
-    d = qr.key_bits.shape[1]
-    grid = qr.quant_grid.float()
-    codes = _decode_key_codes(qr.key_codes, qr.key_bits, qr.body_lengths, spec.bits)
-    gidx, _ = group_index(qr.body_lengths, qr.group_size)
-    k_mins = min_values(qr.key_params[0], grid[0, :d], grid[1, :d])
-    k_scales = scale_table(grid[2, :d]).gather(1, qr.key_params[1].t().long()).t()
-    keys = codes.mul_(k_scales[gidx]).add_(k_mins[gidx])
-    vcodes = _codes_as_float(qr.value_codes, qr.qtype)
-    q, dv = vcodes.shape
-    gv = value_group_size(qr.group_size, dv)
-    v_mins = min_values(qr.value_params[0], grid[0, d:], grid[1, d:])
-    v_scales = scale_table(grid[2, d:]).gather(1, qr.value_params[1].t().long()).t()
-    grouped = vcodes.view(q, dv // gv, gv)
-    grouped.mul_(v_scales.unsqueeze(2)).add_(v_mins.unsqueeze(2))
-    return keys, vcodes
+
+def dequantize_compact_layers(quants: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dequantize_compact`` of several layers at once (same type, group size and head sizes): keys
+    ``[sum of Q, head_dim]`` and values ``[sum of Q, head_dim_v]``, layer ``i``'s rows after layer ``i - 1``'s;
+    bit-identical to dequantizing each layer alone (each group's parameters come from its own layer's grid)."""
+    from .quant import _codes_as_float, value_group_size
+
+    d = quants[0].key_bits.shape[1]
+    k_mins, k_scales, v_mins, v_scales = [], [], [], []
+    for q in quants:  # each layer's parameters from its own grid
+        grid = q.quant_grid.float()
+        k_mins.append(min_values(q.key_params[0], grid[0, :d], grid[1, :d]))
+        k_scales.append(scale_table(grid[2, :d]).gather(1, q.key_params[1].t().long()).t())
+        v_mins.append(min_values(q.value_params[0], grid[0, d:], grid[1, d:]))
+        v_scales.append(scale_table(grid[2, d:]).gather(1, q.value_params[1].t().long()).t())
+    rows = _group_rows(torch.cat([q.body_lengths for q in quants]), quants[0].group_size)
+    group_of_row = torch.repeat_interleave(torch.arange(rows.shape[0]), rows)
+    keys = _key_codes(quants)
+    keys.mul_(torch.cat(k_scales).index_select(0, group_of_row)).add_(torch.cat(k_mins).index_select(0, group_of_row))
+    vcodes = quants[0].value_codes if len(quants) == 1 else torch.cat([q.value_codes for q in quants])
+    values = _codes_as_float(vcodes, quants[0].qtype)
+    q_rows, dv = values.shape
+    gv = value_group_size(quants[0].group_size, dv)
+    values.view(q_rows, dv // gv, gv).mul_(torch.cat(v_scales).unsqueeze(2)).add_(torch.cat(v_mins).unsqueeze(2))
+    return keys, values
 
 
 def _group_params(group_min: torch.Tensor, group_max: torch.Tensor, levels: torch.Tensor):
@@ -347,12 +375,25 @@ def compact_problem(qr, d: int, dv: int) -> str | None:
         if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
             got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             return f"quant.{name} must be {dtype} {list(shape)}, not {got}"
-    widths = qr.key_bits.to(torch.int64)
-    if int(widths.min()) < C.MIN_KEY_BITS or int(widths.max()) > C.MAX_KEY_BITS:
-        return f"key code widths must lie in [{C.MIN_KEY_BITS}, {C.MAX_KEY_BITS}] bits"
-    if not bool((widths.sum(dim=1) == spec.bits * d).all()):
-        return f"each head's key code widths must sum to {spec.bits * d} ({qr.qtype} x head_dim {d})"
-    grid = qr.quant_grid
-    if not bool(torch.isfinite(grid).all()) or bool((grid[1:] < 0).any()):
-        return "the quantization grid must be finite, with non-negative min steps and scale bases"
+    return compact_values_problem([qr], d)
+
+
+def compact_values_problem(quants: list, d: int) -> str | None:
+    """The value checks of ``compact_problem`` for several layers of the right shapes at once (the reader's):
+    widths in ``[MIN_KEY_BITS, MAX_KEY_BITS]`` summing to ``bits x d`` per head; a finite grid with non-negative
+    min steps and scale bases. ``None`` if they pass, else the problem (naming the first bad layer)."""
+    bits = quant_type_bits(quants[0].qtype)
+    widths = torch.stack([q.key_bits for q in quants]).to(torch.int64)  # [layers, heads, d]
+    bad = (widths < C.MIN_KEY_BITS).any(dim=(1, 2)) | (widths > C.MAX_KEY_BITS).any(dim=(1, 2))
+    if bool(bad.any()):
+        return f"layer {int(bad.nonzero()[0])}: key code widths must lie in [{C.MIN_KEY_BITS}, {C.MAX_KEY_BITS}] bits"
+    bad = (widths.sum(dim=2) != bits * d).any(dim=1)
+    if bool(bad.any()):
+        return (f"layer {int(bad.nonzero()[0])}: each head's key code widths must sum to {bits * d} "
+                f"({quants[0].qtype} x head_dim {d})")
+    grids = torch.stack([q.quant_grid for q in quants])  # [layers, 3, columns]
+    bad = ~torch.isfinite(grids).all(dim=(1, 2)) | (grids[:, 1:] < 0).any(dim=(1, 2))
+    if bool(bad.any()):
+        return (f"layer {int(bad.nonzero()[0])}: the quantization grid must be finite, with non-negative min steps "
+                "and scale bases")
     return None

@@ -39,7 +39,7 @@ from kvpack.errors import (
     UnsupportedVersionError,
 )
 from kvpack.pack import LayerEntries, Pack, QuantizedRows
-from kvpack.compact import compact_problem, compact_split
+from kvpack.compact import compact_split, compact_values_problem
 from kvpack.quant import layer_quant_problem, split_lengths, value_group_size
 
 __all__ = ["TensorCodec", "TensorInfo", "PackHeader", "pack_to_bytes", "check_storage_args", "save", "load_pack",
@@ -500,10 +500,6 @@ def _load(source: Source) -> tuple[PackHeader, Pack]:
                                       None, parts[C.VALUE_CODES], None, None, layout=C.QUANT_LAYOUT_COMPACT,
                                       key_bits=parts[C.KEY_BITS], key_params=parts[C.KEY_PARAMS],
                                       value_params=parts[C.VALUE_PARAMS], quant_grid=parts[C.QUANT_GRID])
-                if split is not None:
-                    problem = compact_problem(quant, header_dims[0], header_dims[1])
-                    if problem is not None:
-                        raise CorruptFileError(f"{src.name}: layer {l}: {problem}; {_REBUILD}")
             else:
                 parts = [t[C.layer_tensor_name(l, part)] for part in C.QUANT_PARTS]
                 quant = QuantizedRows(header.quant_type, header.group_size, sinks, body, *parts)
@@ -514,6 +510,10 @@ def _load(source: Source) -> tuple[PackHeader, Pack]:
             head_lengths=head_lengths,
             quant=quant,
         ))
+    if split is not None and header.quant_layout == C.QUANT_LAYOUT_COMPACT:  # shapes: checked with the header
+        problem = compact_values_problem([layer.quant for layer in layers], header_dims[0])
+        if problem is not None:
+            raise CorruptFileError(f"{src.name}: {problem}; {_REBUILD}")
     pack = Pack(token_ids=t[C.TOKEN_IDS].to(torch.int64), layers=layers, sink_tokens=sink, metadata=meta)
     if split is None:  # something is wrong: the full check names it
         problem = _pack_problem(pack)

@@ -31,7 +31,7 @@ import torch
 
 from . import constants as C
 from .errors import InputError
-from .compact import compact_problem, compact_split, dequantize_compact, quantize_compact
+from .compact import compact_problem, compact_split, dequantize_compact, dequantize_compact_layers, quantize_compact
 from .pack import LayerEntries, Pack, QuantizedRows
 
 __all__ = [
@@ -420,7 +420,7 @@ def dequantize_bodies(quants: list[QuantizedRows]) -> tuple[torch.Tensor, torch.
 
     Args:
         quants: the layers' ``QuantizedRows``, all with the same ``qtype``, ``group_size``, layout and head sizes
-            (compact layers are dequantized one by one: their grids and widths are their own).
+            (compact layers each use their own grids and widths).
 
     Returns:
         ``(keys, values)``: float32 ``[sum of Q, head_dim]`` and ``[sum of Q, head_dim_v]``, layer ``i``'s body rows
@@ -428,11 +428,8 @@ def dequantize_bodies(quants: list[QuantizedRows]) -> tuple[torch.Tensor, torch.
         multiple of ``G``, so the key groups (``G`` rows) of the concatenation are the layers' own groups, and value
         groups never span rows.
     """
-    if quants[0].layout == C.QUANT_LAYOUT_COMPACT:  # grids and widths are per layer
-        rows = [dequantize_compact(q) for q in quants]
-        if len(rows) == 1:
-            return rows[0]
-        return torch.cat([k for k, _ in rows]), torch.cat([v for _, v in rows])
+    if quants[0].layout == C.QUANT_LAYOUT_COMPACT:
+        return dequantize_compact_layers(quants)
     qtype, g = quants[0].qtype, quants[0].group_size
 
     def joined(part: str) -> torch.Tensor:

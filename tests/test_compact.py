@@ -313,3 +313,22 @@ def test_pack_with_mixed_layouts_is_refused():
     mixed = Pack(a.token_ids, [a.layers[0], b.layers[1]], a.sink_tokens, dict(a.metadata))
     with pytest.raises(InputError, match="layout"):
         pack_to_bytes(mixed)
+
+
+def test_fast_key_decoding_matches_the_bit_string_reference():
+    """``dequantize_compact_layers`` decodes codes through 16-bit windows for all layers at once; the codes must
+    equal ``unpack_bits`` of each head's rows, for random widths 1-8 (codes straddling bytes included)."""
+    from kvpack.compact import _key_codes
+
+    gen = torch.Generator().manual_seed(3)
+    quants = []
+    for layer in range(3):
+        body = torch.tensor([5, 0, 9])
+        widths = torch.stack([torch.tensor(w) for w in ([1, 7, 8, 8, 2, 2, 2, 2], [3, 5, 3, 5, 3, 5, 3, 5],
+                                                         [8, 8, 8, 2, 2, 2, 1, 1])])
+        codes = [(torch.rand(int(n), 8, generator=gen) * 2.0 ** w).floor().long() for n, w in zip(body, widths)]
+        packed = torch.cat([pack_bits(c, w) for c, w in zip(codes, widths)])
+        q = quantize_layer(_layer([40, 20]), 2, "int4", 16, "compact", torch.ones(2, 8)).quant
+        q.body_lengths, q.key_bits, q.key_codes = body, widths.to(torch.uint8), packed
+        quants.append((q, torch.cat(codes).float()))
+    assert torch.equal(_key_codes([q for q, _ in quants]), torch.cat([c for _, c in quants]))
