@@ -261,9 +261,11 @@ def _quantization(header, pack) -> str:
         return f"{head}, KIVI layout (keys per channel, values per token; sink and residual rows in full precision)"
     widths = torch.cat([l.quant.key_bits.reshape(-1) for l in pack.layers if l.quant is not None]).long()
     counts = torch.bincount(widths, minlength=C.MAX_KEY_BITS + 1)
-    spread = ", ".join(f"{int(n)}x{b}" for b, n in enumerate(counts.tolist()) if n)
-    return (f"{head}, compact layout (key code widths per channel: {spread} bits over all heads; 8-bit group "
-            "parameters; sink rows in full precision)")
+    used = [(b, int(n)) for b, n in enumerate(counts.tolist()) if n]
+    widths = "/".join(str(b) for b, _ in used)
+    channels = "/".join(str(n) for _, n in used)
+    return (f"{head}, compact layout (key code widths {widths} bits on {channels} channels of all heads; 8-bit "
+            "group parameters; sink rows in full precision)")
 
 
 def _kept(pack, stats: dict) -> str:
