@@ -20,6 +20,10 @@ recomputes ``p[i, j] = exp(q_i . k_j * scaling - lse_i)``: on CPU through that t
 queries, ``-lse_i`` as a bias on column ``i``, whose log-sum-exp is the log column sum), otherwise summed
 explicitly over blocks of queries. Window sums need only the window's few queries: their probabilities are
 computed explicitly (``w x tokens``) and the chunk's attention itself stays plain.
+
+The recorder can also keep each layer's query energy (``track_query_energy``: the sum of ``q_c**2`` per KV head and
+channel over the context's queries after RoPE), from which the compact quantized layout chooses its key code widths
+(``kvpack.compact``).
 """
 
 from __future__ import annotations
@@ -227,6 +231,8 @@ class AttentionRecorder:
     Attributes (after the prefill), one tensor per compressed layer, in ``spec.compressed_layers`` order:
         column_sums: ``[heads, tokens]`` float32, or ``None`` when not asked for.
         window_sums: ``[heads, tokens]`` float32, or ``None`` when not asked for.
+    and, after ``track_query_energy``, one per layer of the model:
+        query_energy: ``[kv_heads, head_dim]`` float64 sums of ``q_c**2`` (``mean_query_energy`` averages them).
     """
 
     def __init__(self, spec: ModelSpec, tokens: int, *, column_sums: bool = False, window_start: int | None = None,
