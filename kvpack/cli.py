@@ -132,7 +132,7 @@ def _method_params(method: str, given: dict) -> dict:
                    "per channel chosen from the context's queries, 8-bit group parameters); with sha256 the "
                    "KIVI layout of format v2.")
 @click.option("--group-size", type=click.Choice([str(g) for g in C.GROUP_SIZES]), default=str(C.DEFAULT_GROUP_SIZE),
-              show_default=True, help="Quantization group: tokens per key scale, channels per value scale.")
+              show_default=True, help="Quantization group: tokens per key scale, channels per value scale (at most head_dim).")
 @click.option("--zstd-level", type=click.IntRange(0, C.ZSTD_MAX_LEVEL), default=C.DEFAULT_ZSTD_LEVEL,
               show_default=True, help="zstd-compress each tensor at this level (0: off).")
 @click.option("--checksum", type=click.Choice(C.CHECKSUMS), default=C.DEFAULT_CHECKSUM, show_default=True,

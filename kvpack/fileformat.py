@@ -210,8 +210,8 @@ def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
     compact = quant is not None and quant.layout == C.QUANT_LAYOUT_COMPACT
     if compact and checksum != C.CHECKSUM_XXH3:
         raise InputError("a pack quantized in the compact layout is written as format version 4, which uses XXH3-128 "
-                         "checksums; save it with checksum='xxh3', or quantize it with layout='kivi' for a "
-                         "version-2 file with SHA-256 checksums")
+                         "checksums; save it with checksum='xxh3', or build it with kvpack.compress(..., "
+                         "quant_layout='kivi') for a version-2 file with SHA-256 checksums")
     try:
         kvpack_json = json.dumps({**pack.metadata, C.SINK_TOKENS_KEY: pack.sink_tokens}, **C.JSON_DUMPS_KWARGS)
     except (TypeError, ValueError) as exc:
