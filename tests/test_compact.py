@@ -29,7 +29,7 @@ from kvpack.quant import dequantize_rows, pack_codes, quantize_layer, quantize_p
 
 from .golden_packs import GOLDEN_DIR, GOLDEN_V4, golden_unquantized_for_int
 from .test_fileformat_v2 import assert_packs_equal
-from .tiny import TEXT, tiny_model
+from .tiny import ARCHITECTURES, TEXT, tiny_model
 
 
 # --- key code widths --------------------------------------------------------------------------------------------
@@ -332,3 +332,19 @@ def test_fast_key_decoding_matches_the_bit_string_reference():
         q.body_lengths, q.key_bits, q.key_codes = body, widths.to(torch.uint8), packed
         quants.append((q, torch.cat(codes).float()))
     assert torch.equal(_key_codes([q for q, _ in quants]), torch.cat([c for _, c in quants]))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_compact_int4_builds_loads_and_generates_on_every_architecture(arch, tmp_path):
+    model, tok = tiny_model(arch, dtype=torch.bfloat16 if arch == "qwen3" else torch.float32)
+    pack = kvpack.compress(model, tok, TEXT * 3, ratio=0.4, chunk_size=64, quant="int4")
+    path = tmp_path / "ctx.kvpack"
+    kvpack.save(pack, path, zstd_level=3)
+    header = read_header(path)
+    assert (header.format_version, header.quant_layout) == (4, "compact")
+    loaded = load_pack(path)
+    for a, b in zip(pack.layers, loaded.layers):
+        assert torch.equal(a.dequantized(torch.float32).keys, b.dequantized(torch.float32).keys)
+    cache = kvpack.load(path, model)
+    assert cache.get_seq_length() == pack.original_tokens
+    assert isinstance(kvpack.generate(model, tok, cache, "What is the secret code of Alice?", max_new_tokens=2), str)
