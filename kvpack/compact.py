@@ -44,6 +44,7 @@ __all__ = [
     "quantize_compact",
     "dequantize_compact",
     "dequantize_compact_layers",
+    "compact_shapes",
     "compact_problem",
     "compact_values_problem",
 ]
@@ -351,26 +352,33 @@ def quantize_compact(keys: torch.Tensor, values: torch.Tensor, body: torch.Tenso
     }
 
 
+def compact_shapes(qtype: str, group_size: int, heads: int, d: int, dv: int, rows: int, groups: int
+                   ) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Dtype code and shape of each compact-layout tensor of a layer (``format/SPEC.md`` §5.6) with ``heads`` KV
+    heads, head sizes ``d`` / ``dv``, ``rows`` quantized rows and ``groups`` key groups: ``{part: (code, shape)}``."""
+    from .quant import quant_type, value_group_size
+
+    spec = quant_type(qtype)
+    gv = value_group_size(group_size, dv)
+    return {
+        C.KEY_CODES: (C.QUANT_CODE_CODE, (rows, d * spec.bits // 8)),
+        C.KEY_BITS: (C.QUANT_CODE_CODE, (heads, d)),
+        C.KEY_PARAMS: (C.QUANT_CODE_CODE, (2, groups, d)),
+        C.VALUE_CODES: (C.QUANT_CODE_CODE, (rows, dv // spec.codes_per_byte)),
+        C.VALUE_PARAMS: (C.QUANT_CODE_CODE, (2, rows, dv // gv)),
+        C.QUANT_GRID: (C.CODE_BY_DTYPE[torch.float32], (3, d + dv // gv)),
+    }
+
+
 def compact_problem(qr, d: int, dv: int) -> str | None:
     """Why a compact-layout ``QuantizedRows`` has the wrong dtypes, shapes or values, or ``None``: the widths
     (``MIN_KEY_BITS`` .. ``MAX_KEY_BITS``, summing to ``bits x head_dim`` per head), the key groups its body lengths
     call for, and a finite grid with non-negative steps and scale bases. Shared by the writer and the reader."""
-    from .quant import quant_type, value_group_size
-
-    spec = quant_type(qr.qtype)
-    gv = value_group_size(qr.group_size, dv)
-    heads = qr.body_lengths.shape[0]
-    rows = int(qr.body_lengths.sum())
     groups = int(((qr.body_lengths + qr.group_size - 1) // qr.group_size).sum())
-    want = {
-        C.KEY_CODES: (torch.uint8, (rows, d * spec.bits // 8)),
-        C.KEY_BITS: (torch.uint8, (heads, d)),
-        C.KEY_PARAMS: (torch.uint8, (2, groups, d)),
-        C.VALUE_CODES: (torch.uint8, (rows, dv // spec.codes_per_byte)),
-        C.VALUE_PARAMS: (torch.uint8, (2, rows, dv // gv)),
-        C.QUANT_GRID: (torch.float32, (3, d + dv // gv)),
-    }
-    for name, (dtype, shape) in want.items():
+    want = compact_shapes(qr.qtype, qr.group_size, qr.body_lengths.shape[0], d, dv, int(qr.body_lengths.sum()),
+                          groups)
+    for name, (code, shape) in want.items():
+        dtype = C.DTYPE_BY_CODE[code]
         t = getattr(qr, name)
         if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
             got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__

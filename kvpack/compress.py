@@ -75,7 +75,6 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise InputError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}")
     scorer = get_method(method, {"chunk_size": chunk_size}, **options)
-    layout_name = quant_layout
     ratio = scorer.kept_ratio(ratio)
     spec = model_spec(model)
     if quant != C.QUANT_NONE:
@@ -98,7 +97,7 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
     compressing = ratio < 1.0
     device = next(model.parameters()).device
     recorder, observed = prefill_recorder(scorer, spec, len(token_ids), device, tokenizer, layout, compressing,
-                                          quant != C.QUANT_NONE and layout_name == C.QUANT_LAYOUT_COMPACT)
+                                          quant != C.QUANT_NONE and quant_layout == C.QUANT_LAYOUT_COMPACT)
     full = prefill(model, token_ids, len(prefix_ids), layout, spec, chunk_size, progress, recorder, observed)
     if compressing:
         scores = scorer.score(model, tokenizer, full, progress)
@@ -107,7 +106,7 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
         keep = torch.ones(len(spec.compressed_layers), spec.num_kv_heads, full.context_tokens, dtype=torch.bool)
     pack = assemble_pack(model, tokenizer, text, scorer, ratio, full, keep, source_name)
     energy = recorder.mean_query_energy() if recorder is not None else None
-    return quantize_pack(pack, quant, group_size, layout_name, energy)
+    return quantize_pack(pack, quant, group_size, quant_layout, energy)
 
 
 def prefill_recorder(scorer, spec, tokens: int, device, tokenizer, layout, compressing: bool, query_energy: bool

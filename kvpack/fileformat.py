@@ -39,7 +39,7 @@ from kvpack.errors import (
     UnsupportedVersionError,
 )
 from kvpack.pack import LayerEntries, Pack, QuantizedRows
-from kvpack.compact import compact_split, compact_values_problem
+from kvpack.compact import compact_shapes, compact_split, compact_values_problem
 from kvpack.quant import layer_quant_problem, split_lengths, value_group_size
 
 __all__ = ["TensorCodec", "TensorInfo", "PackHeader", "pack_to_bytes", "check_storage_args", "save", "load_pack",
@@ -1021,6 +1021,13 @@ def _quant_index_problem(tensors: dict[str, TensorInfo], l: int, quant_type: str
         C.VALUE_SCALES: (C.QUANT_PARAM_CODE, (rows, dv // gv)),
         C.VALUE_MINS: (C.QUANT_PARAM_CODE, (rows, dv // gv)),
     }
+    return _parts_problem(tensors, l, want)
+
+
+def _parts_problem(tensors: dict[str, TensorInfo], l: int, want: dict[str, tuple[str, tuple[int, ...]]]
+                   ) -> str | None:
+    """Why one of layer ``l``'s tensors ``want`` names (part -> dtype code and shape) is missing or has another
+    dtype or shape in the index, or None."""
     for part, (code, shape) in want.items():
         tname = C.layer_tensor_name(l, part)
         info = tensors.get(tname)
@@ -1045,23 +1052,8 @@ def _compact_index_problem(tensors: dict[str, TensorInfo], l: int, quant_type: s
     rows = codes.shape[0] if codes is not None and len(codes.shape) == 2 else 0
     params = tensors.get(C.layer_tensor_name(l, C.KEY_PARAMS))
     groups = params.shape[1] if params is not None and len(params.shape) == 3 else 0
-    heads = tensors[C.HEAD_LENGTHS].shape[1]
-    want = {
-        C.KEY_CODES: (C.QUANT_CODE_CODE, (rows, d * spec.bits // 8)),
-        C.KEY_BITS: (C.QUANT_CODE_CODE, (heads, d)),
-        C.KEY_PARAMS: (C.QUANT_CODE_CODE, (2, groups, d)),
-        C.VALUE_CODES: (C.QUANT_CODE_CODE, (rows, dv // spec.codes_per_byte)),
-        C.VALUE_PARAMS: (C.QUANT_CODE_CODE, (2, rows, dv // gv)),
-        C.QUANT_GRID: ("F32", (3, d + dv // gv)),
-    }
-    for part, (code, shape) in want.items():
-        tname = C.layer_tensor_name(l, part)
-        info = tensors.get(tname)
-        if info is None:
-            return f"tensor {tname!r} is missing"
-        if info.dtype != code or info.shape != shape:
-            return f"tensor {tname!r} must be {code} {list(shape)}, not {info.dtype} {list(info.shape)}"
-    return None
+    want = compact_shapes(quant_type, group_size, tensors[C.HEAD_LENGTHS].shape[1], d, dv, rows, groups)
+    return _parts_problem(tensors, l, want)
 
 
 def _pack_problem(pack: Any) -> str | None:

@@ -250,7 +250,6 @@ class AttentionRecorder:
         self.query_energy: list[torch.Tensor] | None = None
         self._energy_shape = (spec.num_layers, spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim)
         self._energy_device = device
-        self._energy_queries = 0
 
     def track_query_energy(self) -> None:
         """Also keep ``query_energy`` for every layer (not only the compressed ones): per KV head and channel, the
@@ -271,15 +270,14 @@ class AttentionRecorder:
         _, kv_heads, group, dim = self._energy_shape
         q = query[0, :, : max(0, self.tokens - q_start)].double()
         self.query_energy[layer_idx] += q.pow(2).sum(dim=1).view(kv_heads, group, dim).sum(dim=1)
-        if layer_idx == 0:
-            self._energy_queries += q.shape[1] * group
 
     def mean_query_energy(self) -> list[torch.Tensor] | None:
-        """Per layer ``[kv_heads, head_dim]`` float64 on CPU: ``query_energy`` over the query rows counted (the
-        mean of ``q_c**2``), or ``None`` when not tracked."""
+        """Per layer ``[kv_heads, head_dim]`` float64 on CPU: ``query_energy`` over its query rows (every context
+        position once per query head of the group: the mean of ``q_c**2``), or ``None`` when not tracked."""
         if self.query_energy is None:
             return None
-        return [e.cpu() / max(1, self._energy_queries) for e in self.query_energy]
+        rows = max(1, self.tokens * self._energy_shape[2])
+        return [e.cpu() / rows for e in self.query_energy]
 
     def wants_columns(self, layer_idx: int, q_start: int) -> bool:
         """Whether the chunk of layer ``layer_idx`` whose first query is at position ``q_start`` adds to

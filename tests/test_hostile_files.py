@@ -6,6 +6,7 @@ written out here independently of the reader, so that the check under test, not 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
@@ -345,9 +346,10 @@ CASES = {
 GOLD3 = (GOLDEN_DIR / "small_f32_xxh3.kvpack").read_bytes()
 
 
-def forge3(edit_header=None, tensors: dict[str, bytes] | None = None) -> bytes:
-    """``forge`` for the version-3 golden file: replaced tensors get their XXH3-128 recomputed."""
-    obj, buf = split(GOLD3)
+def forge3(edit_header=None, tensors: dict[str, bytes] | None = None, base: bytes = GOLD3) -> bytes:
+    """``forge`` for a golden file with XXH3-128 tensor checksums (version 3, or ``base``): replaced tensors get
+    their XXH3-128 recomputed."""
+    obj, buf = split(base)
     buf = bytearray(buf)
     sums = json.loads(obj["__metadata__"]["tensor_xxh3"])
     for name, data in (tensors or {}).items():
@@ -383,20 +385,8 @@ CASES_V3 = {
 GOLD4 = (GOLDEN_DIR / "small_int4_compact.kvpack").read_bytes()
 
 
-def forge4(edit_header=None, tensors: dict[str, bytes] | None = None, base: bytes = GOLD4) -> bytes:
-    """``forge3`` for the version-4 golden file (XXH3-128 tensor checksums recomputed)."""
-    obj, buf = split(base)
-    buf = bytearray(buf)
-    sums = json.loads(obj["__metadata__"]["tensor_xxh3"])
-    for name, data in (tensors or {}).items():
-        b, e = obj[name]["data_offsets"]
-        assert len(data) == e - b
-        buf[b:e] = data
-        sums[name] = xxhash.xxh3_128_hexdigest(data)
-    obj["__metadata__"]["tensor_xxh3"] = canon(sums).decode()
-    if edit_header is not None:
-        edit_header(obj)
-    return assemble(obj, bytes(buf))
+#: ``forge3`` on the version-4 golden file.
+forge4 = functools.partial(forge3, base=GOLD4)
 
 
 def _grid_with(row: int, col: int, value: float) -> bytes:
