@@ -115,7 +115,11 @@ def _scale_base(needed_max: torch.Tensor) -> torch.Tensor:
 
 def scale_codes(needed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round each column's scales up onto its grid: ``(codes uint8 [n, columns], scales float32 [n, columns],
-    base float32 [columns])``, ``scales >= needed`` (``needed``: ``[n, columns]`` float64 >= 0)."""
+    base float32 [columns])``, ``scales >= needed`` (``needed``: ``[n, columns]`` float64 >= 0, in KV units).
+
+    Raises:
+        InputError: a needed scale beyond the float32 range.
+    """
     base = _scale_base(needed.amax(dim=0) if needed.shape[0] else needed.new_zeros(needed.shape[1]))
     table = scale_table(base)  # increasing along the codes
     codes = torch.searchsorted(table.double().contiguous(), needed.t().contiguous()).clamp_(max=255).t()
@@ -302,7 +306,7 @@ def quantize_compact(keys: torch.Tensor, values: torch.Tensor, body: torch.Tenso
         ``QuantizedRows`` holds them.
 
     Raises:
-        InputError: non-finite keys or values.
+        InputError: non-finite keys or values, or values so large that a scale leaves the float32 range.
     """
     from .quant import pack_codes, quant_type, value_group_size
 
