@@ -209,8 +209,9 @@ def _laid_out_group(layers: list[LayerEntries], dt: torch.dtype, device: torch.d
     lengths = [e.head_lengths.tolist() for e in layers]  # [layers][heads]
     body_keys = body_values = None
     if layers[0].quant is not None:
-        body_keys, body_values = dequantize_bodies([e.quant for e in layers])
+        body_keys, body_values, key_starts, value_starts = dequantize_bodies([e.quant for e in layers])
         body_keys, body_values = body_keys.to(dt), body_values.to(dt)
+        key_starts, value_starts = key_starts.tolist(), value_starts.tolist()
         bodies = [e.quant.body_lengths.tolist() for e in layers]
     else:
         bodies = [[0] * heads] * len(layers)
@@ -220,7 +221,6 @@ def _laid_out_group(layers: list[LayerEntries], dt: torch.dtype, device: torch.d
     pad_values = pad_keys if dv == d else torch.zeros(most_pad, dv, dtype=dt)
     pad_positions = torch.full((most_pad,), -1, dtype=torch.int64)
     key_parts, value_parts, position_parts = [], [], []
-    q = 0  # next body row (over all layers)
     for l, (entries, ns, bs, m) in enumerate(zip(layers, lengths, bodies, longest)):
         body = sum(bs)
         fp = sum(ns) - body  # full-precision rows
@@ -228,7 +228,7 @@ def _laid_out_group(layers: list[LayerEntries], dt: torch.dtype, device: torch.d
                 body_keys is not None and entries.quant.key_codes.shape[0] != body):
             raise InputError(f"layer {l} of the group: its tensors' rows do not match its head lengths {ns}; "
                              "build the pack again with kvpack.compress or load it from a file")
-        layer_bodies = None if body_keys is None else (body_keys[q : q + body], body_values[q : q + body])
+        layer_bodies = None if body_keys is None else (body_keys, body_values, key_starts[l], value_starts[l])
         _, key_blocks, value_blocks = head_row_pieces(entries, dt, layer_bodies)
         p = 0  # next position of this layer
         for n, kb, vb in zip(ns, key_blocks, value_blocks):
@@ -241,7 +241,6 @@ def _laid_out_group(layers: list[LayerEntries], dt: torch.dtype, device: torch.d
                 value_parts.append(pad_values[: m - n])
                 position_parts.append(pad_positions[: m - n])
             p += n
-        q += body
     total = heads * sum(longest)
     all_keys = torch.cat(key_parts) if key_parts else torch.empty(0, d, dtype=dt)
     all_values = torch.cat(value_parts) if value_parts else torch.empty(0, dv, dtype=dt)

@@ -53,6 +53,8 @@ __all__ = [
 _SCALE_MULTIPLIERS = torch.tensor([(32 + (k & 31)) * 2.0 ** ((k >> 5) - 12) for k in range(256)], dtype=torch.float32)
 #: Largest multiplier (code 255): 63/32.
 _TOP_MULTIPLIER = float(_SCALE_MULTIPLIERS[255])
+#: ``_SCALE_MULTIPLIERS`` with code 0 mapped to 0: ``base x _CODE_MULTIPLIERS[code]`` is ``scale_table(base)[code]``.
+_CODE_MULTIPLIERS = torch.cat([torch.zeros(1), _SCALE_MULTIPLIERS[1:]])
 
 
 def compact_split(positions: torch.Tensor, head_lengths: torch.Tensor, sink_tokens: int, group_size: int
@@ -208,30 +210,44 @@ def group_index(body_lengths: torch.Tensor, group_size: int) -> tuple[torch.Tens
                                                                                       groups)
 
 
-def _key_codes(quants: list) -> torch.Tensor:
-    """Float32 key codes ``[Q, head_dim]`` of the body rows of ``quants`` (layers back to back).
+def _padded_heads(x: torch.Tensor, rows: list[int], padded: list[int], dim: int = 0) -> torch.Tensor:
+    """``x`` (runs of ``rows[i]`` rows back to back along ``dim``) with each run followed by zero rows up to
+    ``padded[i]`` rows: one concatenation (several times cheaper than an index copy)."""
+    parts, row, zeros = [], 0, None
+    for n, p in zip(rows, padded):
+        parts.append(x.narrow(dim, row, n))
+        row += n
+        if p > n:
+            if zeros is None:
+                zeros = x.new_zeros(x.shape[:dim] + (max(padded),) + x.shape[dim + 1 :])
+            parts.append(zeros.narrow(dim, 0, p - n))
+    return torch.cat(parts, dim) if parts else x.narrow(dim, 0, 0)
+
+
+def _key_codes(quants: list, widths: torch.Tensor, groups: list[int], padded: torch.Tensor) -> torch.Tensor:
+    """Key codes ``[K, G, head_dim]`` of the group-padded key rows ``padded`` (uint8 ``[K x G, row bytes]``: the
+    ``groups[i]`` key groups of (layer, head) ``i``, whose channel widths are ``widths[i]``, each padded to ``G``
+    rows): int16, or float32 when every width is the type's bits.
 
     Uniform widths take the KIVI unpacking. Otherwise a code of ``w <= 8`` bits at row bit ``o`` lies in the 16-bit
-    window of bytes ``o // 8`` and ``o // 8 + 1``: it is ``(window >> o % 8) & (2**w - 1)``, with the byte index,
-    shift and mask of each channel taken from its head (one table row per (layer, head), expanded to the rows).
+    window of bytes ``o // 8`` and ``o // 8 + 1``: it is ``(window >> o % 8) & (2**w - 1)``. The byte index, shift
+    and mask of each channel are its head's; every group lies in one head, so one table row per group is broadcast
+    over its ``G`` rows (no per-row tables).
     """
     from .quant import _codes_as_float
 
-    codes = quants[0].key_codes if len(quants) == 1 else torch.cat([q.key_codes for q in quants])
-    widths = torch.cat([q.key_bits for q in quants]).to(torch.int16)  # [layers x heads, D]
-    bits = quant_type_bits(quants[0].qtype)
-    if bool((widths == bits).all()):
-        return _codes_as_float(codes, quants[0].qtype)
-    body = torch.cat([q.body_lengths for q in quants])
-    head_of_row = torch.repeat_interleave(torch.arange(body.shape[0]), body)
-    offsets = torch.cumsum(widths, 1, dtype=torch.int16) - widths
-    b = codes.to(torch.int16)
-    windows = b.clone()
-    windows[:, :-1] |= b[:, 1:] << 8
-    out = torch.gather(windows, 1, (offsets >> 3).long().index_select(0, head_of_row))
-    out.bitwise_right_shift_((offsets & 7).index_select(0, head_of_row))
-    out.bitwise_and_(((1 << widths) - 1).index_select(0, head_of_row))
-    return out.float()
+    g, w = quants[0].group_size, widths.to(torch.int16)
+    d = w.shape[1]
+    if bool((w == quant_type_bits(quants[0].qtype)).all()):
+        return _codes_as_float(padded, quants[0].qtype).view(-1, g, d)
+    windows = padded.to(torch.int16)
+    windows[:, :-1] |= windows[:, 1:] << 8  # the right-hand side is a new tensor: no overlap
+    offsets = torch.cumsum(w, 1, dtype=torch.int16) - w
+    tables = torch.stack([offsets >> 3, offsets & 7, (1 << w) - 1])
+    tables = _repeat_rows(tables.transpose(0, 1), groups).transpose(0, 1)  # [3, K, D]
+    out = torch.gather(windows.view(-1, g, windows.shape[1]), 2, tables[0].long()[:, None, :].expand(-1, g, d))
+    out.bitwise_right_shift_(tables[1][:, None, :])
+    return out.bitwise_and_(tables[2][:, None, :])
 
 
 def quant_type_bits(qtype: str) -> int:
@@ -239,45 +255,61 @@ def quant_type_bits(qtype: str) -> int:
     return C.QUANT_TYPES[qtype].bits
 
 
-def _group_rows(body: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Rows of each key group ``[K]`` int64 (heads' groups back to back; a head's last group may be shorter)."""
-    groups = (body + group_size - 1) // group_size
-    rows = torch.full((int(groups.sum()),), group_size, dtype=torch.int64)
-    partial = body % group_size != 0
-    rows[(torch.cumsum(groups, 0) - 1)[partial]] = (body % group_size)[partial]
-    return rows
+def _repeat_rows(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """``x[i]`` repeated ``counts[i]`` times along a new first axis, back to back (``[sum of counts, *x.shape[1:]]``;
+    a concatenation of broadcast views, several times faster than ``repeat_interleave`` for a few long runs)."""
+    return torch.cat([x[i].expand(n, *x.shape[1:]) for i, n in enumerate(counts)])
 
 
 def dequantize_compact(qr) -> tuple[torch.Tensor, torch.Tensor]:
     """The body rows of a compact-layout ``QuantizedRows``: keys ``[Q, head_dim]`` and values ``[Q, head_dim_v]``,
     float32, ``code x scale + min`` with the group's parameters from the layer's grids (``format/SPEC.md`` §5.6)."""
-    return dequantize_compact_layers([qr])
+    keys, values, starts = dequantize_compact_layers([qr])
+    rows = [torch.arange(s, s + b) for s, b in zip(starts[0].tolist(), qr.body_lengths.tolist())]
+    return keys.index_select(0, torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)), values
 
 
-def dequantize_compact_layers(quants: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dequantize_compact`` of several layers at once (same type, group size and head sizes): keys
-    ``[sum of Q, head_dim]`` and values ``[sum of Q, head_dim_v]``, layer ``i``'s rows after layer ``i - 1``'s;
-    bit-identical to dequantizing each layer alone (each group's parameters come from its own layer's grid)."""
+def dequantize_compact_layers(quants: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The body rows of several compact-layout layers (same type, group size and head sizes) dequantized at once;
+    bit-identical to ``code x scale + min`` of each layer alone (each group's parameters come from its own layer's
+    grid; float32 multiply, then add; ``format/SPEC.md`` §5.6).
+
+    Returns:
+        ``(keys, values, key_starts)``: keys float32 ``[K x G, head_dim]`` in group-padded rows (``K`` key groups in
+        all): head ``h`` of layer ``l`` has its body rows, in order, at rows ``key_starts[l, h]`` to
+        ``key_starts[l, h] + body_lengths[h]``, its groups back to back, a short last group followed by zero rows up
+        to ``G``; values float32 ``[sum of Q, head_dim_v]``, the layers' body rows back to back as stored;
+        ``key_starts`` int64 ``[layers, kv_heads]``. In the group-padded rows every key group is ``G`` aligned rows,
+        so a group's parameters broadcast over a ``[K, G, head_dim]`` view instead of being expanded to every row.
+    """
     from .quant import _codes_as_float, value_group_size
 
-    d = quants[0].key_bits.shape[1]
-    k_mins, k_scales, v_mins, v_scales = [], [], [], []
-    for q in quants:  # each layer's parameters from its own grid
-        grid = q.quant_grid.float()
-        k_mins.append(min_values(q.key_params[0], grid[0, :d], grid[1, :d]))
-        k_scales.append(scale_table(grid[2, :d]).gather(1, q.key_params[1].t().long()).t())
-        v_mins.append(min_values(q.value_params[0], grid[0, d:], grid[1, d:]))
-        v_scales.append(scale_table(grid[2, d:]).gather(1, q.value_params[1].t().long()).t())
-    rows = _group_rows(torch.cat([q.body_lengths for q in quants]), quants[0].group_size)
-    group_of_row = torch.repeat_interleave(torch.arange(rows.shape[0]), rows)
-    keys = _key_codes(quants)
-    keys.mul_(torch.cat(k_scales).index_select(0, group_of_row)).add_(torch.cat(k_mins).index_select(0, group_of_row))
-    vcodes = quants[0].value_codes if len(quants) == 1 else torch.cat([q.value_codes for q in quants])
+    layers, g, d = len(quants), quants[0].group_size, quants[0].key_bits.shape[1]
+    body = torch.cat([q.body_lengths for q in quants]).tolist()  # rows of each (layer, head)
+    groups = [(b + g - 1) // g for b in body]
+    heads = len(body) // layers
+    # each key group's and each value row's grid, its layer's: [K, 3, D] and [Q, 3, Dv / Gv]
+    grids = torch.stack([q.quant_grid for q in quants]).float()  # [layers, 3, D + Dv / Gv]
+    key_grid = _repeat_rows(grids[:, :, :d], [sum(groups[l * heads : (l + 1) * heads]) for l in range(layers)])
+    value_grid = _repeat_rows(grids[:, :, d:], [q.value_codes.shape[0] for q in quants])
+    key_params, value_params = (quants[0].key_params, quants[0].value_params) if layers == 1 else (
+        torch.cat([q.key_params for q in quants], 1), torch.cat([q.value_params for q in quants], 1))
+    k_mins = key_params[0].float() * key_grid[:, 1] + key_grid[:, 0]  # min_values, [K, D]
+    k_scales = key_grid[:, 2] * _CODE_MULTIPLIERS[key_params[1].long()]  # scale_table, [K, D]
+    v_mins = value_params[0].float() * value_grid[:, 1] + value_grid[:, 0]  # [Q, Dv / Gv]
+    v_scales = value_grid[:, 2] * _CODE_MULTIPLIERS[value_params[1].long()]
+    kcodes = quants[0].key_codes if layers == 1 else torch.cat([q.key_codes for q in quants])
+    codes = _key_codes(quants, torch.cat([q.key_bits for q in quants]), groups,
+                       _padded_heads(kcodes, body, [n * g for n in groups]))
+    keys = codes if codes.is_floating_point() else codes.float()  # (a mixed-dtype multiply is far slower)
+    keys = keys.mul_(k_scales[:, None, :]).add_(k_mins[:, None, :]).view(-1, d)
+    vcodes = quants[0].value_codes if layers == 1 else torch.cat([q.value_codes for q in quants])
     values = _codes_as_float(vcodes, quants[0].qtype)
-    q_rows, dv = values.shape
-    gv = value_group_size(quants[0].group_size, dv)
-    values.view(q_rows, dv // gv, gv).mul_(torch.cat(v_scales).unsqueeze(2)).add_(torch.cat(v_mins).unsqueeze(2))
-    return keys, values
+    dv = values.shape[1]
+    gv = value_group_size(g, dv)
+    values.view(-1, dv // gv, gv).mul_(v_scales.unsqueeze(2)).add_(v_mins.unsqueeze(2))
+    starts = torch.tensor(groups, dtype=torch.int64)
+    return keys, values, ((torch.cumsum(starts, 0) - starts) * g).view(layers, -1)
 
 
 def _group_params(group_min: torch.Tensor, group_max: torch.Tensor, levels: torch.Tensor):

@@ -26,6 +26,7 @@ quantized. A head with fewer than ``G`` non-sink rows is not quantized at all.
 from __future__ import annotations
 
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -52,6 +53,7 @@ __all__ = [
     "head_row_pieces",
     "dequantize_layer",
     "dequantize_bodies",
+    "DequantizedBodies",
     "quantize_pack",
     "layer_error_stats",
     "layer_quant_problem",
@@ -372,7 +374,7 @@ def dequantize_rows(qr: QuantizedRows) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def head_row_pieces(entries: LayerEntries, dtype: torch.dtype | None = None,
-                    bodies: tuple[torch.Tensor, torch.Tensor] | None = None
+                    bodies: tuple[torch.Tensor, torch.Tensor, list[int], list[int]] | None = None
                     ) -> tuple[list[int], list[list[torch.Tensor]], list[list[torch.Tensor]]]:
     """Each head's keys and values in full precision, as lists of row blocks to concatenate (no copy yet).
 
@@ -380,7 +382,8 @@ def head_row_pieces(entries: LayerEntries, dtype: torch.dtype | None = None,
     blocks in position order: its sink rows (full precision), its body rows (``dequantize_keys`` /
     ``dequantize_values``, float32) and its residual rows (full precision). Blocks are cast to ``dtype`` (default:
     the dtype of ``entries.keys``); empty blocks are left out. ``bodies``: the layer's body rows already
-    dequantized, ``(keys [Q, head_dim], values [Q, head_dim_v])`` (e.g. its slice of ``dequantize_bodies``);
+    dequantized, ``(keys, values, key_starts, value_starts)`` with head ``h``'s body rows at rows ``key_starts[h]``
+    and ``value_starts[h]`` onwards (``dequantize_bodies``, with the layer's rows of its starts as lists);
     dequantized here when ``None``.
 
     Returns:
@@ -400,36 +403,55 @@ def head_row_pieces(entries: LayerEntries, dtype: torch.dtype | None = None,
             start += n
         return lengths, key_blocks, value_blocks
     if bodies is None:
-        bodies = dequantize_rows(qr)
-    body_keys, body_values = bodies[0].to(dt), bodies[1].to(dt)
+        body_keys, body_values, key_starts, value_starts = dequantize_bodies([qr])
+        key_starts, value_starts = key_starts[0].tolist(), value_starts[0].tolist()
+    else:
+        body_keys, body_values, key_starts, value_starts = bodies
+    body_keys, body_values = body_keys.to(dt), body_values.to(dt)
     key_blocks, value_blocks = [], []
-    fp, q = 0, 0  # next full-precision row, next body row
-    for n, s, b in zip(lengths, qr.sink_lengths.tolist(), qr.body_lengths.tolist()):
+    fp = 0  # next full-precision row
+    for n, s, b, kq, vq in zip(lengths, qr.sink_lengths.tolist(), qr.body_lengths.tolist(), key_starts, value_starts):
         r = n - s - b
-        # (source, first row, rows) of the sink, body and residual blocks of this head
-        spans = [(0, fp, s), (1, q, b), (0, fp + s, r)]
-        key_blocks.append([(keys, body_keys)[i][a : a + m] for i, a, m in spans if m])
-        value_blocks.append([(values, body_values)[i][a : a + m] for i, a, m in spans if m])
-        fp, q = fp + s + r, q + b
+        # (first row, rows) of the sink, body and residual blocks of this head, in their sources
+        key_blocks.append([x[a : a + m] for x, a, m in ((keys, fp, s), (body_keys, kq, b), (keys, fp + s, r)) if m])
+        value_blocks.append([x[a : a + m] for x, a, m in ((values, fp, s), (body_values, vq, b), (values, fp + s, r))
+                             if m])
+        fp += s + r
     return lengths, key_blocks, value_blocks
 
 
-def dequantize_bodies(quants: list[QuantizedRows]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The body rows of several layers dequantized together: one ``dequantize_keys`` and one ``dequantize_values``
-    (KIVI layout, arXiv 2402.02750 §3; no errors raised beyond torch's for mismatched shapes).
+class DequantizedBodies(NamedTuple):
+    """The body rows of several quantized layers in full precision (``dequantize_bodies``).
+
+    ``keys`` float32 ``[key rows, head_dim]`` and ``values`` float32 ``[value rows, head_dim_v]``; the body rows of
+    head ``h`` of layer ``l`` are rows ``key_starts[l, h]`` (of ``keys``) and ``value_starts[l, h]`` (of ``values``)
+    onwards, ``body_lengths[h]`` of them, in order (``key_starts``, ``value_starts``: int64 ``[layers, kv_heads]``).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_starts: torch.Tensor
+    value_starts: torch.Tensor
+
+
+def dequantize_bodies(quants: list[QuantizedRows]) -> DequantizedBodies:
+    """The body rows of several layers dequantized together, for either layout (no errors raised beyond torch's for
+    mismatched shapes).
+
+    KIVI layout (arXiv 2402.02750 §3): one ``dequantize_keys`` and one ``dequantize_values`` over the layers' rows
+    back to back; bit-identical to dequantizing each layer alone, as every layer's ``Q`` is a multiple of ``G`` (the
+    key groups of the concatenation are the layers' own groups) and value groups never span rows. Compact layout:
+    ``compact.dequantize_compact_layers``, whose key rows are padded so that each key group is ``G`` aligned rows.
 
     Args:
         quants: the layers' ``QuantizedRows``, all with the same ``qtype``, ``group_size``, layout and head sizes
             (compact layers each use their own grids and widths).
-
-    Returns:
-        ``(keys, values)``: float32 ``[sum of Q, head_dim]`` and ``[sum of Q, head_dim_v]``, layer ``i``'s body rows
-        right after layer ``i - 1``'s. Bit-identical to dequantizing each layer alone: every layer's ``Q`` is a
-        multiple of ``G``, so the key groups (``G`` rows) of the concatenation are the layers' own groups, and value
-        groups never span rows.
     """
+    body = torch.cat([q.body_lengths for q in quants]).to(torch.int64)
+    back_to_back = (torch.cumsum(body, 0) - body).view(len(quants), -1)
     if quants[0].layout == C.QUANT_LAYOUT_COMPACT:
-        return dequantize_compact_layers(quants)
+        keys, values, key_starts = dequantize_compact_layers(quants)
+        return DequantizedBodies(keys, values, key_starts, back_to_back)
     qtype, g = quants[0].qtype, quants[0].group_size
 
     def joined(part: str) -> torch.Tensor:
@@ -438,7 +460,7 @@ def dequantize_bodies(quants: list[QuantizedRows]) -> tuple[torch.Tensor, torch.
 
     keys = dequantize_keys(joined("key_codes"), joined("key_scales"), joined("key_mins"), qtype, g)
     values = dequantize_values(joined("value_codes"), joined("value_scales"), joined("value_mins"), qtype, g)
-    return keys, values
+    return DequantizedBodies(keys, values, back_to_back, back_to_back)
 
 
 def dequantize_layer(entries: LayerEntries, dtype: torch.dtype | None = None) -> LayerEntries:

@@ -17,6 +17,7 @@ from kvpack.compact import (
     group_index,
     min_codes,
     min_grid,
+    min_values,
     pack_bits,
     scale_codes,
     scale_table,
@@ -316,9 +317,10 @@ def test_pack_with_mixed_layouts_is_refused():
 
 
 def test_fast_key_decoding_matches_the_bit_string_reference():
-    """``dequantize_compact_layers`` decodes codes through 16-bit windows for all layers at once; the codes must
-    equal ``unpack_bits`` of each head's rows, for random widths 1-8 (codes straddling bytes included)."""
-    from kvpack.compact import _key_codes
+    """``dequantize_compact_layers`` decodes codes through 16-bit windows for all layers at once, in group-padded
+    rows; the codes must equal ``unpack_bits`` of each head's rows, for random widths 1-8 (codes straddling bytes
+    included), and the padding rows must be zero codes."""
+    from kvpack.compact import _key_codes, _padded_heads
 
     gen = torch.Generator().manual_seed(3)
     quants = []
@@ -331,7 +333,61 @@ def test_fast_key_decoding_matches_the_bit_string_reference():
         q = quantize_layer(_layer([40, 20]), 2, "int4", 16, "compact", torch.ones(2, 8)).quant
         q.body_lengths, q.key_bits, q.key_codes = body, widths.to(torch.uint8), packed
         quants.append((q, torch.cat(codes).float()))
-    assert torch.equal(_key_codes([q for q, _ in quants]), torch.cat([c for _, c in quants]))
+    qs = [q for q, _ in quants]
+    body, groups = [5, 0, 9] * 3, [1, 0, 1] * 3  # each head's rows start a group of G = 16 rows
+    padded_rows = _padded_heads(torch.cat([q.key_codes for q in qs]), body, [16 * n for n in groups])
+    codes = _key_codes(qs, torch.cat([q.key_bits for q in qs]), groups, padded_rows).reshape(-1, 8)
+    assert codes.shape == (96, 8) and codes.dtype == torch.int16
+    rows = torch.tensor([16 * i + r for i, b in enumerate([5, 9] * 3) for r in range(b)])
+    assert torch.equal(codes[rows].float(), torch.cat([c for _, c in quants]))
+    pad = torch.ones(96, dtype=torch.bool)
+    pad[rows] = False
+    assert not codes[pad].any()
+
+
+def _spec_decode(qr) -> tuple[torch.Tensor, torch.Tensor]:
+    """``format/SPEC.md`` §5.6 spelled out one head and one group at a time: ``code x scale + min`` (float32
+    multiply, then add), codes cut from each head's bit strings (``unpack_bits``), parameters from the grids."""
+    d, g = qr.key_bits.shape[1], qr.group_size
+    grid = qr.quant_grid.float()
+    keys, values, row, group = [], [], 0, 0
+    for h, b in enumerate(qr.body_lengths.tolist()):
+        codes = unpack_bits(qr.key_codes[row : row + b], qr.key_bits[h])
+        for start in range(0, b, g):
+            mins = min_values(qr.key_params[0, group], grid[0, :d], grid[1, :d])
+            scales = scale_table(grid[2, :d])[torch.arange(d), qr.key_params[1, group].long()]
+            keys.append(codes[start : start + g] * scales + mins)
+            group += 1
+        row += b
+    vcodes = unpack_bits(qr.value_codes, torch.full((qr.value_codes.shape[1] * 2,), 4))
+    dv, cols = vcodes.shape[1], qr.value_params.shape[2]
+    mins = min_values(qr.value_params[0], grid[0, d:], grid[1, d:])
+    scales = scale_table(grid[2, d:])[torch.arange(cols), qr.value_params[1].long()]
+    values = vcodes * scales.repeat_interleave(dv // cols, 1) + mins.repeat_interleave(dv // cols, 1)
+    return torch.cat(keys) if keys else torch.zeros(0, d), values
+
+
+def test_all_layers_at_once_decode_like_the_spec_one_group_at_a_time():
+    """The load path dequantizes every layer together in group-padded rows (``dequantize_bodies``): each head's
+    rows must equal the spec's formula applied group by group, bit for bit, with each layer's own grid and widths
+    (partial last groups, a head without body rows, 8-bit and 2-bit channels included)."""
+    from kvpack.quant import dequantize_bodies
+
+    layers = [quantize_layer(_layer(lengths, seed=seed), 2, "int4", 16, "compact",
+                             torch.rand(len(lengths), 8, generator=torch.Generator().manual_seed(seed)) ** 4).quant
+              for seed, lengths in enumerate([[40, 3, 21], [18, 70, 2], [2, 2, 35]])]
+    assert len({tuple(q.key_bits.flatten().tolist()) for q in layers}) == 3  # per-layer widths differ
+    keys, values, key_starts, value_starts = dequantize_bodies(layers)
+    # body rows 38, 0, 19 | 16, 68, 0 | 0, 0, 33: each head's keys start a new group of G = 16 rows
+    assert key_starts.tolist() == [[0, 48, 48], [80, 96, 176], [176, 176, 176]] and keys.shape[0] == 224
+    assert value_starts.tolist() == [[0, 38, 38], [57, 73, 141], [141, 141, 141]]  # values: back to back
+    for qr, ks, vs in zip(layers, key_starts.tolist(), value_starts.tolist()):
+        want_keys, want_values = _spec_decode(qr)
+        body = qr.body_lengths.tolist()
+        key_rows = torch.cat([torch.arange(s, s + b) for s, b in zip(ks, body)])
+        value_rows = torch.cat([torch.arange(s, s + b) for s, b in zip(vs, body)])
+        assert torch.equal(keys[key_rows], want_keys) and torch.equal(values[value_rows], want_values)
+        assert torch.equal(dequantize_rows(qr)[0], want_keys)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
