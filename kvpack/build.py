@@ -302,7 +302,7 @@ def build(contexts: Iterable[Context], model, tokenizer, *, out_dir: str | os.Pa
         path = out / f"{ctx.name}{C.FILE_SUFFIX}"
         header = None if overwrite else _up_to_date(path, ctx.text, expected)
         if header is not None:
-            result = BuildResult(ctx.name, path, header.tokens, _header_entries(header), header.file_bytes,
+            result = BuildResult(ctx.name, path, header.tokens, header.entries, header.file_bytes,
                                  time.perf_counter() - t0, True)
             plan.append((ctx, path, result, header.tokens))
         else:
@@ -390,11 +390,6 @@ def _up_to_date(path: Path, text: str, expected: dict) -> PackHeader | None:
     if header.checksum != expected["checksum"]:
         return None
     return header
-
-
-def _header_entries(header: PackHeader) -> int:
-    """KV entries stored in a file, from its tensor index (no data read; quantized entries included)."""
-    return sum(header.tensors[C.layer_tensor_name(l, C.POSITIONS)].shape[0] for l in range(header.num_layers))
 
 
 class _Progress:

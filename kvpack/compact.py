@@ -427,17 +427,17 @@ def compact_values_problem(quants: list, d: int) -> str | None:
     widths in ``[MIN_KEY_BITS, MAX_KEY_BITS]`` summing to ``bits x d`` per head; a finite grid with non-negative
     min steps and scale bases. ``None`` if they pass, else the problem (naming the first bad layer)."""
     bits = quant_type_bits(quants[0].qtype)
-    widths = torch.stack([q.key_bits for q in quants]).to(torch.int64)  # [layers, heads, d]
-    bad = (widths < C.MIN_KEY_BITS).any(dim=(1, 2)) | (widths > C.MAX_KEY_BITS).any(dim=(1, 2))
-    if bool(bad.any()):
-        return f"layer {int(bad.nonzero()[0])}: key code widths must lie in [{C.MIN_KEY_BITS}, {C.MAX_KEY_BITS}] bits"
-    bad = (widths.sum(dim=2) != bits * d).any(dim=1)
-    if bool(bad.any()):
-        return (f"layer {int(bad.nonzero()[0])}: each head's key code widths must sum to {bits * d} "
+    widths = np.stack([q.key_bits.numpy() for q in quants])  # [layers, heads, d] uint8
+    bad = (widths < C.MIN_KEY_BITS).any(axis=(1, 2)) | (widths > C.MAX_KEY_BITS).any(axis=(1, 2))
+    if bad.any():
+        return f"layer {int(bad.argmax())}: key code widths must lie in [{C.MIN_KEY_BITS}, {C.MAX_KEY_BITS}] bits"
+    bad = (widths.sum(axis=2, dtype=np.int64) != bits * d).any(axis=1)
+    if bad.any():
+        return (f"layer {int(bad.argmax())}: each head's key code widths must sum to {bits * d} "
                 f"({quants[0].qtype} x head_dim {d})")
-    grids = torch.stack([q.quant_grid for q in quants])  # [layers, 3, columns]
-    bad = ~torch.isfinite(grids).all(dim=(1, 2)) | (grids[:, 1:] < 0).any(dim=(1, 2))
-    if bool(bad.any()):
-        return (f"layer {int(bad.nonzero()[0])}: the quantization grid must be finite, with non-negative min steps "
+    grids = np.stack([q.quant_grid.numpy() for q in quants])  # [layers, 3, columns] float32
+    bad = ~np.isfinite(grids).all(axis=(1, 2)) | (grids[:, 1:] < 0).any(axis=(1, 2))
+    if bad.any():
+        return (f"layer {int(bad.argmax())}: the quantization grid must be finite, with non-negative min steps "
                 "and scale bases")
     return None

@@ -97,6 +97,8 @@ __all__ = [
     "MAX_KEY_BITS",
     "ALLOCATED_KEY_BITS",
     "FORMAT_VERSION_V4",
+    "FORMAT_VERSION_V5",
+    "STACKED_PARTS",
     "QUANT_CODE_CODE",
     "QUANT_PARAM_CODE",
     "QUANT_PARAM_MAX",
@@ -122,9 +124,9 @@ FORMAT_NAME = "kvpack"
 #: The newest version this code writes (``__metadata__["format_version"]`` is its decimal string). A file
 #: declares the *lowest* version whose features it uses: ``FORMAT_VERSION_PLAIN`` without quantization, zstd
 #: and XXH3 checksums.
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 #: The newest version this code reads; newer files raise ``UnsupportedVersionError``.
-MAX_READABLE_VERSION = 4
+MAX_READABLE_VERSION = 5
 #: Version of a file with neither quantized layers nor encoded tensors (byte-identical to kvpack 0.1's files).
 FORMAT_VERSION_PLAIN = 1
 #: Version of a file that uses quantization (``META_QUANT``) or encoded tensors (``META_TENSOR_CODECS``).
@@ -135,6 +137,10 @@ FORMAT_VERSION_V3 = 3
 #: Version of a file whose quantized layers use the compact layout (``QUANT_LAYOUT_COMPACT``); it has XXH3-128
 #: tensor checksums like version 3 and may use the version-2 features.
 FORMAT_VERSION_V4 = 4
+#: Version of a compact-layout file whose per-layer tensors are stacked over the layers: one tensor per part
+#: (``STACKED_PARTS``, unprefixed names), each layer's rows following the previous layer's. Otherwise as version 4;
+#: the compact layout is written as version 5 (version 4 files are still read).
+FORMAT_VERSION_V5 = 5
 #: Conventional file name suffix.
 FILE_SUFFIX = ".kvpack"
 
@@ -299,6 +305,10 @@ KEY_PARAMS = "key_params"
 VALUE_PARAMS = "value_params"
 QUANT_GRID = "quant_grid"
 COMPACT_PARTS = (KEY_CODES, KEY_BITS, KEY_PARAMS, VALUE_CODES, VALUE_PARAMS, QUANT_GRID)
+#: The tensors of a version-5 file besides ``TOKEN_IDS`` and ``HEAD_LENGTHS``, each stacked over the layers:
+#: rows (``positions``, ``keys``, ``values``, ``key_codes``, ``value_codes``), the group axis (``key_params``) or
+#: the row axis (``value_params``) run layer after layer; ``key_bits`` and ``quant_grid`` gain a leading layer axis.
+STACKED_PARTS = LAYER_PARTS + COMPACT_PARTS
 #: Widths a compact key channel may have, in bits.
 MIN_KEY_BITS, MAX_KEY_BITS = 1, 8
 #: Widths the compact writer allocates from (``kvpack.compact.allocate_widths``).

@@ -4,8 +4,9 @@ Writing is deterministic (the same ``Pack`` and settings always give the same by
 length, offset, shape and checksum before any tensor is handed out, and every failure is a ``PackFormatError``
 subclass (or ``InputError`` for a path that cannot be read) whose message names the file, the problem and the fix.
 
-A file declares the lowest version whose features it uses: version 4 when its layers are quantized in the compact
-layout (``kvpack.compact``; XXH3-128 checksums); version 3 when its tensor checksums are XXH3-128 (the default:
+A file declares the lowest version whose features it uses: version 5 when its layers are quantized in the compact
+layout (``kvpack.compact``; XXH3-128 checksums; one tensor per part, stacked over the layers; version 4 files, the
+compact layout with per-layer tensors, are still read); version 3 when its tensor checksums are XXH3-128 (the default:
 ``save(..., checksum="xxh3")``); otherwise (SHA-256 tensor checksums) version 2 when it has quantized
 layers (``kvpack.quant``) or zstd-compressed tensors (``save(..., zstd_level=N)``), else version 1. Compressed
 tensors are decoded only after their checksum matched and their zstd frame declared exactly the size the header
@@ -105,16 +106,16 @@ class PackHeader:
     """The validated header of a ``.kvpack`` file (what ``read_header`` and ``verify`` return).
 
     Attributes:
-        format_version: the file's format version: 4 with compact-layout quantization, else 3 with XXH3-128
-            tensor checksums; with SHA-256 ones, 2 when it uses quantization or zstd, else 1.
+        format_version: the file's format version: 5 (or 4, per-layer tensors) with compact-layout quantization,
+            else 3 with XXH3-128 tensor checksums; with SHA-256 ones, 2 when it uses quantization or zstd, else 1.
         metadata: the kvpack metadata: ``Pack.metadata`` plus ``"sink_tokens"``.
         tensors: tensor name -> ``TensorInfo``, in data order.
         header_bytes: bytes before the data buffer (8-byte length prefix + padded JSON header).
         file_bytes: size of the whole file in bytes.
         quant_type: ``"none"``, ``"int8"`` or ``"int4"``.
         group_size: the quantization group size ``G``, or ``None`` when not quantized.
-        checksum: the tensor checksum algorithm, ``"xxh3"`` (versions 3, 4) or ``"sha256"`` (versions 1, 2).
-        quant_layout: ``"compact"`` (version 4), ``"kivi"`` (quantized versions 2, 3), or ``None`` when not
+        checksum: the tensor checksum algorithm, ``"xxh3"`` (versions 3-5) or ``"sha256"`` (versions 1, 2).
+        quant_layout: ``"compact"`` (versions 4, 5), ``"kivi"`` (quantized versions 2, 3), or ``None`` when not
             quantized.
     """
 
@@ -147,6 +148,13 @@ class PackHeader:
     def kv_heads(self) -> int:
         """Number of KV heads per layer."""
         return self.tensors[C.HEAD_LENGTHS].shape[1]
+
+    @property
+    def entries(self) -> int:
+        """Kept entries over all layers and KV heads (the rows of every layer's positions)."""
+        if C.POSITIONS in self.tensors:  # version 5: stacked
+            return self.tensors[C.POSITIONS].shape[0]
+        return sum(self.tensors[C.layer_tensor_name(l, C.POSITIONS)].shape[0] for l in range(self.num_layers))
 
     @property
     def tokens(self) -> int:
@@ -189,7 +197,8 @@ def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
             damage but not deliberate tampering) or ``"sha256"`` (cryptographic; readable by kvpack 0.1). The
             header's own checksum is SHA-256 either way.
 
-    The file is format version 4 if the pack is quantized in the compact layout (``kvpack.compact``; XXH3-128 only),
+    The file is format version 5 if the pack is quantized in the compact layout (``kvpack.compact``; XXH3-128 only;
+    its tensors stacked over the layers),
     else version 3 with ``checksum="xxh3"``; with ``"sha256"`` it is version 1 if the pack is not quantized and
     ``zstd_level`` is 0, else version 2.
 
@@ -209,7 +218,7 @@ def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
     quant = pack.layers[0].quant
     compact = quant is not None and quant.layout == C.QUANT_LAYOUT_COMPACT
     if compact and checksum != C.CHECKSUM_XXH3:
-        raise InputError("a pack quantized in the compact layout is written as format version 4, which uses XXH3-128 "
+        raise InputError("a pack quantized in the compact layout is written as format version 5, which uses XXH3-128 "
                          "checksums; save it with checksum='xxh3', or build it with kvpack.compress(..., "
                          "quant_layout='kivi') for a version-2 file with SHA-256 checksums")
     try:
@@ -222,13 +231,17 @@ def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
 
     i32 = C.DTYPE_BY_CODE[C.INDEX_INT_CODE]
     tensors = {C.TOKEN_IDS: pack.token_ids.to(i32), C.HEAD_LENGTHS: pack.head_lengths().to(i32)}
-    for l, layer in enumerate(pack.layers):
-        tensors[C.layer_tensor_name(l, C.KEYS)] = layer.keys
-        tensors[C.layer_tensor_name(l, C.VALUES)] = layer.values
-        tensors[C.layer_tensor_name(l, C.POSITIONS)] = layer.positions.to(i32)
-        if layer.quant is not None:
-            for part, tensor in layer.quant.parts().items():
-                tensors[C.layer_tensor_name(l, part)] = tensor
+    if compact:  # version 5: each part stacked over the layers
+        tensors.update(_stacked_parts(pack))
+        tensors[C.POSITIONS] = tensors[C.POSITIONS].to(i32)
+    else:
+        for l, layer in enumerate(pack.layers):
+            tensors[C.layer_tensor_name(l, C.KEYS)] = layer.keys
+            tensors[C.layer_tensor_name(l, C.VALUES)] = layer.values
+            tensors[C.layer_tensor_name(l, C.POSITIONS)] = layer.positions.to(i32)
+            if layer.quant is not None:
+                for part, tensor in layer.quant.parts().items():
+                    tensors[C.layer_tensor_name(l, part)] = tensor
 
     stored, codecs = {}, {}
     for name, tensor in tensors.items():
@@ -252,7 +265,7 @@ def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
         end += len(blob)
 
     if compact:
-        version = C.FORMAT_VERSION_V4
+        version = C.FORMAT_VERSION_V5
     elif checksum == C.CHECKSUM_XXH3:
         version = C.FORMAT_VERSION_V3
     else:
@@ -277,6 +290,22 @@ def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
     if not text.startswith(C.MAGIC):
         raise RuntimeError("internal error: a __metadata__ key sorts before 'format', so the header lost its magic")
     return len(text).to_bytes(C.LENGTH_PREFIX_BYTES, "little") + text + b"".join(b for _, b in blobs)
+
+
+def _stacked_parts(pack: Pack) -> dict[str, torch.Tensor]:
+    """The version-5 tensors of a compact-layout pack: each of ``STACKED_PARTS`` over all layers, layer 0 first
+    (rows, key groups or value rows concatenated; ``key_bits`` and ``quant_grid`` stacked on a new layer axis)."""
+    layers = pack.layers
+    parts = [layer.quant.parts() for layer in layers]
+    out = {C.KEYS: torch.cat([e.keys for e in layers]), C.VALUES: torch.cat([e.values for e in layers]),
+           C.POSITIONS: torch.cat([e.positions for e in layers])}
+    for part in C.COMPACT_PARTS:
+        pieces = [p[part] for p in parts]
+        if part in (C.KEY_BITS, C.QUANT_GRID):
+            out[part] = torch.stack(pieces)
+        else:
+            out[part] = torch.cat(pieces, dim=1 if part in (C.KEY_PARAMS, C.VALUE_PARAMS) else 0)
+    return out
 
 
 def check_storage_args(zstd_level: int, checksum: str) -> None:
@@ -474,10 +503,13 @@ def _load(source: Source) -> tuple[PackHeader, Pack]:
     t = {name: _tensor(data, info, src.name, name, decompressor) for name, info in header.tensors.items()}
     meta = dict(header.metadata)
     sink = meta.pop(C.SINK_TOKENS_KEY)
+    if header.format_version >= C.FORMAT_VERSION_V5:  # per-layer views of the stacked tensors, named as in v4
+        problem = _unstacked(t, header, sink)
+        if problem is not None:
+            raise CorruptFileError(f"{src.name}: {problem}; {_REBUILD}")
     split = _checked_split(t, header, sink)
     all_lengths = t[C.HEAD_LENGTHS].to(torch.int64)
-    header_dims = (header.tensors[C.layer_tensor_name(0, C.KEYS)].shape[1],
-                   header.tensors[C.layer_tensor_name(0, C.VALUES)].shape[1])
+    header_dims = (t[C.layer_tensor_name(0, C.KEYS)].shape[1], t[C.layer_tensor_name(0, C.VALUES)].shape[1])
     layers = []
     for l in range(header.num_layers):
         positions = t[C.layer_tensor_name(l, C.POSITIONS)]
@@ -521,6 +553,53 @@ def _load(source: Source) -> tuple[PackHeader, Pack]:
             raise RuntimeError(f"internal error: {src.name} failed the vectorised pack checks but passes _pack_problem")
         raise CorruptFileError(f"{src.name}: {problem}; {_REBUILD}")
     return header, pack
+
+
+def _unstacked(t: dict[str, torch.Tensor], header: PackHeader, sink: int) -> str | None:
+    """Add to ``t`` (a version-5 file's tensors) each layer's share of every stacked part as a view named as in a
+    version-4 file (``layers.{l}.{part}``), so the per-layer checks and the loader treat both versions alike.
+
+    Layer ``l`` owns ``sum(head_lengths[l])`` positions, of which its heads' compact body rows (``compact_split``:
+    every non-sink row when there are at least ``G`` of them) are quantized rows and key groups, and the rest
+    full-precision rows; ``key_bits[l]`` and ``quant_grid[l]`` are its own. Returns the problem (and adds nothing)
+    if the head lengths cannot be split (negative, or not summing to the positions) or the split does not add up to
+    a stacked tensor's rows.
+    """
+    lengths = t[C.HEAD_LENGTHS].numpy().astype(np.int64)  # [layers, kv_heads]
+    positions = t[C.POSITIONS].numpy()
+    if lengths.min() < 0 or lengths.sum() != positions.shape[0]:
+        return (f"{C.HEAD_LENGTHS!r} must be non-negative and sum to the {positions.shape[0]} entries of "
+                f"{C.POSITIONS!r}")
+    g = header.group_size
+    flat = lengths.reshape(-1)
+    ends = np.cumsum(flat)
+    below = np.concatenate([[0], np.cumsum(positions < sink)])
+    rest = flat - (below[ends] - below[ends - flat])  # non-sink rows of each head
+    body = np.where(rest >= g, rest, 0).reshape(lengths.shape)
+    counts = {  # part -> (rows of each layer, axis)
+        C.POSITIONS: (lengths.sum(axis=1), 0),
+        C.KEYS: (lengths.sum(axis=1) - body.sum(axis=1), 0),
+        C.KEY_CODES: (body.sum(axis=1), 0),
+        C.VALUE_CODES: (body.sum(axis=1), 0),
+        C.VALUE_PARAMS: (body.sum(axis=1), 1),
+        C.KEY_PARAMS: (((body + g - 1) // g).sum(axis=1), 1),
+    }
+    counts[C.VALUES] = counts[C.KEYS]
+    for part, (rows, axis) in counts.items():
+        if int(rows.sum()) != t[part].shape[axis]:
+            what = "key groups" if part == C.KEY_PARAMS else "rows"
+            return (f"the head lengths and positions call for {int(rows.sum())} {what} in {part!r} over all layers "
+                    f"(each head's non-sink rows are quantized when there are at least {g}), but it has "
+                    f"{t[part].shape[axis]}")
+    for part, (rows, axis) in counts.items():
+        start = 0
+        for l, n in enumerate(rows.tolist()):
+            t[C.layer_tensor_name(l, part)] = t[part][start : start + n] if axis == 0 else t[part][:, start : start + n]
+            start += n
+    for part in (C.KEY_BITS, C.QUANT_GRID):
+        for l in range(lengths.shape[0]):
+            t[C.layer_tensor_name(l, part)] = t[part][l]
+    return None
 
 
 def _checked_split(t: dict[str, torch.Tensor], header: PackHeader, sink: int
@@ -649,7 +728,7 @@ def _parse_header(src: _Source) -> tuple[PackHeader, dict[str, str]]:
     if other:
         raise corrupt(f"a version-{version} file keeps its tensor checksums in {sums_key!r}, not {other[0]!r}")
     features = [k for k in C.METADATA_KEYS_V2 if k in meta]
-    if version == C.FORMAT_VERSION_V4 and C.META_QUANT not in meta:
+    if version >= C.FORMAT_VERSION_V4 and C.META_QUANT not in meta:
         raise corrupt(f"it declares format version {version} but has no {C.META_QUANT!r} (a version-{version} file "
                       "is one with compact-layout quantization); a file must declare the lowest version it needs")
     if version < C.FORMAT_VERSION_V2 and features:
@@ -719,7 +798,7 @@ def _parse_header(src: _Source) -> tuple[PackHeader, dict[str, str]]:
                           f"{' or '.join(map(repr, C.QUANT_TYPES))}}} in a version-{version} file")
         quant_type, group_size = q["type"], q["group_size"]
         layout = C.QUANT_LAYOUT_COMPACT if v4 else C.QUANT_LAYOUT_KIVI
-    problem = _index_problem(tensors, quant_type, group_size, layout)
+    problem = _index_problem(tensors, quant_type, group_size, layout, version >= C.FORMAT_VERSION_V5)
     if problem is not None:
         raise corrupt(problem)
 
@@ -951,8 +1030,9 @@ def _is_shape(x: Any) -> bool:
 
 
 def _index_problem(tensors: dict[str, TensorInfo], quant_type: str = C.QUANT_NONE,
-                   group_size: int | None = None, layout: str | None = None) -> str | None:
-    """Why the set of tensors, their dtypes or shapes do not describe a pack, or None."""
+                   group_size: int | None = None, layout: str | None = None, stacked: bool = False) -> str | None:
+    """Why the set of tensors, their dtypes or shapes do not describe a pack, or None. ``stacked``: a version-5
+    file (one tensor per part, stacked over the layers)."""
 
     def bad(tname: str, codes: tuple[str, ...], ndim: int) -> str | None:
         info = tensors.get(tname)
@@ -970,6 +1050,8 @@ def _index_problem(tensors: dict[str, TensorInfo], quant_type: str = C.QUANT_NON
     layers, heads = tensors[C.HEAD_LENGTHS].shape
     if layers < 1 or heads < 1:
         return f"{C.HEAD_LENGTHS!r} has shape {[layers, heads]}; at least one layer and one KV head are needed"
+    if stacked:
+        return _stacked_index_problem(tensors, quant_type, group_size, bad)
     quantized = quant_type != C.QUANT_NONE
     compact = layout == C.QUANT_LAYOUT_COMPACT
     parts = C.LAYER_PARTS + ((C.COMPACT_PARTS if compact else C.QUANT_PARTS) if quantized else ())
@@ -997,6 +1079,44 @@ def _index_problem(tensors: dict[str, TensorInfo], quant_type: str = C.QUANT_NON
         if tensors[v].shape[0] != tensors[k].shape[0] or tensors[p].shape[0] != entries:
             return (f"layer {l}: keys, values and positions have different row counts"
                     + (" (positions count the quantized rows too)" if quantized else ""))
+    return None
+
+
+def _stacked_index_problem(tensors: dict[str, TensorInfo], quant_type: str, group_size: int, bad) -> str | None:
+    """``_index_problem`` for a version-5 file: ``STACKED_PARTS`` besides ``token_ids`` and ``head_lengths``, with
+    the dtypes and shapes the compact layout gives for all layers together (``bad``: the dtype and rank check)."""
+    layers, heads = tensors[C.HEAD_LENGTHS].shape
+    extra = sorted(set(tensors) - {C.TOKEN_IDS, C.HEAD_LENGTHS, *C.STACKED_PARTS})
+    if extra:
+        return f"unexpected tensor {extra[0][:80]!r} for a version-5 (stacked, compact-layout) pack"
+    ints = (C.INDEX_INT_CODE,)
+    problem = bad(C.KEYS, C.FLOAT_CODES, 2) or bad(C.VALUES, C.FLOAT_CODES, 2) or bad(C.POSITIONS, ints, 1)
+    if problem:
+        return problem
+    d, dv = tensors[C.KEYS].shape[1], tensors[C.VALUES].shape[1]
+    if min(d, dv) < 1:
+        return f"head_dim/head_dim_v {[d, dv]} must be at least 1"
+    spec = C.QUANT_TYPES[quant_type]
+    gv = value_group_size(group_size, dv)
+    if (d * spec.bits) % 8 or dv % spec.codes_per_byte or dv % gv:
+        return (f"head_dim {d} / head_dim_v {dv} cannot be {quant_type}-quantized with group size {group_size} "
+                f"(need whole bytes per row, and multiples of {gv} for head_dim_v)")
+    codes, params = tensors.get(C.KEY_CODES), tensors.get(C.KEY_PARAMS)
+    rows = codes.shape[0] if codes is not None and len(codes.shape) == 2 else 0
+    groups = params.shape[1] if params is not None and len(params.shape) == 3 else 0
+    want = compact_shapes(quant_type, group_size, heads, d, dv, rows, groups)
+    for part in (C.KEY_BITS, C.QUANT_GRID):  # one per layer
+        code, shape = want[part]
+        want[part] = (code, (layers, *shape))
+    for part, (code, shape) in want.items():
+        info = tensors.get(part)
+        if info is None:
+            return f"tensor {part!r} is missing"
+        if info.dtype != code or info.shape != shape:
+            return f"tensor {part!r} must be {code} {list(shape)}, not {info.dtype} {list(info.shape)}"
+    if tensors[C.VALUES].shape[0] != tensors[C.KEYS].shape[0] or tensors[C.POSITIONS].shape[0] != (
+            tensors[C.KEYS].shape[0] + rows):
+        return "keys, values and positions have different row counts (positions count the quantized rows too)"
     return None
 
 

@@ -9,9 +9,11 @@ Every value is exactly representable in float16 and bfloat16, so no rounding dep
 ``GOLDEN`` holds the version-1 files (plain tensors); ``GOLDEN_V2`` the version-2 ones (quantized with the
 reference codec ``kvpack.quant``, and/or zstd-compressed); both use SHA-256 tensor checksums
 (``checksum="sha256"``). ``GOLDEN_V3`` holds version-3 files (XXH3-128 tensor checksums, the writer's default),
-``GOLDEN_V4`` version-4 files (the compact quantized layout, ``kvpack.compact``). zstd's output depends on the zstd
-library, so the
-exact bytes of the zstd files are pinned for ``GOLDEN_ZSTD_LIBRARY`` only (reading them works with any).
+``GOLDEN_V5`` version-5 files (the compact quantized layout, ``kvpack.compact``, tensors stacked over the layers).
+``GOLDEN_V4`` names the version-4 file (the compact layout with per-layer tensors), which the writer no longer
+makes: it is kept as written, to test that version-4 files stay readable. zstd's output depends on the zstd
+library, so the exact bytes of the zstd files are pinned for ``GOLDEN_ZSTD_LIBRARY`` only (reading them works with
+any).
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ GOLDEN_QUERY_ENERGY = (((4.0, 1.0, 0.25, 1.0), (1.0, 1.0, 1.0, 1.0)), ((0.5, 2.0
 
 
 def golden_int4_compact() -> Pack:
-    """``golden_unquantized_for_int`` quantized to int4, group size 32, in the compact layout (format version 4)
+    """``golden_unquantized_for_int`` quantized to int4, group size 32, in the compact layout (format versions 4, 5)
     with the key code widths of ``GOLDEN_QUERY_ENERGY``. (sink, quantized, residual) rows per head: layer 0
     (2, 36, 0) (a 4-row last group) and (2, 0, 3) (too short), layer 1 (2, 46, 0) and (0, 33, 0) (a 1-row group)."""
     energy = [torch.tensor(e, dtype=torch.float64) for e in GOLDEN_QUERY_ENERGY]
@@ -179,9 +181,16 @@ GOLDEN_V3 = {
     "small_int4_zstd_xxh3.kvpack": (golden_int4, 3),
 }
 
-#: Version-4 golden file name -> (the Pack it holds, the zstd level it is saved with); XXH3-128 tensor checksums.
+#: Version-4 golden file name -> (the Pack it holds, the zstd level it was saved with); XXH3-128 tensor checksums.
+#: Written by kvpack before version 5 and kept as it is (``regenerate`` leaves it alone).
 GOLDEN_V4 = {
     "small_int4_compact.kvpack": (golden_int4_compact, 0),
+}
+
+#: Version-5 golden file name -> (the Pack it holds, the zstd level it is saved with); XXH3-128 tensor checksums.
+GOLDEN_V5 = {
+    "small_int4_stacked.kvpack": (golden_int4_compact, 0),
+    "small_int4_stacked_zstd.kvpack": (golden_int4_compact, 3),
 }
 
 #: ``zstandard.ZSTD_VERSION`` of the zstd library that wrote the zstd golden files.
@@ -189,7 +198,8 @@ GOLDEN_ZSTD_LIBRARY = (1, 5, 7)
 
 
 def regenerate(folder: Path = GOLDEN_DIR) -> list[Path]:
-    """Rewrite every golden file in ``folder`` from its Pack; return the paths written."""
+    """Rewrite every golden file in ``folder`` from its Pack (the version-4 one excepted: the writer no longer makes
+    version 4); return the paths written."""
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, make in GOLDEN.items():
@@ -198,7 +208,7 @@ def regenerate(folder: Path = GOLDEN_DIR) -> list[Path]:
     for name, (make, level) in GOLDEN_V2.items():
         save(make(), folder / name, zstd_level=level, checksum="sha256")
         paths.append(folder / name)
-    for name, (make, level) in {**GOLDEN_V3, **GOLDEN_V4}.items():
+    for name, (make, level) in {**GOLDEN_V3, **GOLDEN_V5}.items():
         save(make(), folder / name, zstd_level=level)
         paths.append(folder / name)
     return paths

@@ -249,7 +249,7 @@ def test_build_quantized_packs_and_info_shows_quantization_and_errors(models, tm
     assert _status(_run(base + ["--quant", "int4", "--group-size", "64", "--zstd-level", "5"])) == {"alpha": "built"}
     assert (out / "alpha.kvpack").stat().st_size < plain / 3
     info = _run(["info", str(out / "alpha.kvpack")]).stdout
-    assert re.search(r"format\s+kvpack v4, ", info) and re.search(r"zstd\s+level 5: ", info)
+    assert re.search(r"format\s+kvpack v5, ", info) and re.search(r"zstd\s+level 5: ", info)
     assert re.search(r"quantization\s+int4, group size 64, compact layout \(key code widths ", info)
     rows = re.findall(r"^\s+(\d)\s+([\d.e-]+)\s+([\d.e-]+)\s+([\d.e-]+)\s+([\d.e-]+)\s+([\d.]+)%$", info, re.M)
     assert [r[0] for r in rows] == ["0", "1"], info

@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 import torch
+import zstandard
 
 import kvpack
 from kvpack import constants as C
@@ -28,7 +29,7 @@ from kvpack.fileformat import load_pack, pack_to_bytes, read_header
 from kvpack.pack import LayerEntries, Pack
 from kvpack.quant import dequantize_rows, pack_codes, quantize_layer, quantize_pack
 
-from .golden_packs import GOLDEN_DIR, GOLDEN_V4, golden_unquantized_for_int
+from .golden_packs import GOLDEN_DIR, GOLDEN_V4, GOLDEN_V5, GOLDEN_ZSTD_LIBRARY, golden_unquantized_for_int
 from .test_fileformat_v2 import assert_packs_equal
 from .tiny import ARCHITECTURES, TEXT, tiny_model
 
@@ -219,12 +220,24 @@ def test_compact_problem_names_bad_widths_and_grids():
 # --- files -----------------------------------------------------------------------------------------------------------
 
 
-def test_compact_golden_file_is_reproduced_and_loads_back():
+def test_compact_golden_files_are_reproduced_and_load_back():
+    """Version 5 (stacked tensors) is what the writer makes, byte for byte; the version-4 file (per-layer tensors,
+    written before version 5) still reads to the same pack."""
+    for name, (make, level) in GOLDEN_V5.items():
+        data = (GOLDEN_DIR / name).read_bytes()
+        if level == 0 or tuple(zstandard.ZSTD_VERSION) == GOLDEN_ZSTD_LIBRARY:
+            assert pack_to_bytes(make(), level) == data, name
+        header = read_header(data)
+        assert (header.format_version, header.quant_layout, header.checksum) == (5, "compact", "xxh3")
+        assert sorted(header.tensors) == sorted((C.TOKEN_IDS, C.HEAD_LENGTHS) + C.STACKED_PARTS)
+        assert header.tensors[C.KEY_BITS].shape == (2, 2, 4) and header.tensors[C.KEY_PARAMS].shape == (2, 6, 4)
+        assert header.entries == 124
+        assert_packs_equal(load_pack(data), make())
     for name, (make, level) in GOLDEN_V4.items():
         data = (GOLDEN_DIR / name).read_bytes()
-        assert pack_to_bytes(make(), level) == data
         header = read_header(data)
         assert (header.format_version, header.quant_layout, header.checksum) == (4, "compact", "xxh3")
+        assert header.entries == 124 and C.layer_tensor_name(1, C.KEY_PARAMS) in header.tensors
         assert_packs_equal(load_pack(data), make())
         pack = load_pack(data)
         assert [l.quant.body_lengths.tolist() for l in pack.layers] == [[36, 0], [46, 33]]
@@ -238,7 +251,7 @@ def test_compact_pack_needs_xxh3_and_kivi_files_keep_their_versions():
     kivi = quantize_pack(golden_unquantized_for_int(), "int4", 32, "kivi")
     assert read_header(pack_to_bytes(kivi, 0, "sha256")).format_version == 2
     assert read_header(pack_to_bytes(kivi, 0)).format_version == 3
-    assert read_header(pack_to_bytes(compact, 3)).format_version == 4
+    assert read_header(pack_to_bytes(compact, 3)).format_version == 5
 
 
 def test_quantize_pack_checks_query_energy_shapes():
@@ -397,7 +410,7 @@ def test_compact_int4_builds_loads_and_generates_on_every_architecture(arch, tmp
     path = tmp_path / "ctx.kvpack"
     kvpack.save(pack, path, zstd_level=3)
     header = read_header(path)
-    assert (header.format_version, header.quant_layout) == (4, "compact")
+    assert (header.format_version, header.quant_layout) == (5, "compact")
     loaded = load_pack(path)
     for a, b in zip(pack.layers, loaded.layers):
         assert torch.equal(a.dequantized(torch.float32).keys, b.dequantized(torch.float32).keys)

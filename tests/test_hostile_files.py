@@ -170,9 +170,10 @@ TOKEN_IDS_RAW = struct.pack("<8i", 1, 5, 9, 300, 70000, 2, 0, 2**31 - 1)  # gold
 
 
 def restore(base: bytes, blobs: dict[str, bytes] | None = None, edit_header=None, drop: tuple[str, ...] = (),
-            sign: bool = True) -> bytes:
+            sign: bool = True, xxh3: bool = False) -> bytes:
     """``base`` with some tensors' stored bytes replaced by bytes of any length (an encoded tensor's index shape,
-    all offsets and checksums recomputed), tensors dropped, and/or the header edited."""
+    all offsets and checksums recomputed: SHA-256, or XXH3-128 with ``xxh3``), tensors dropped, and/or the header
+    edited."""
     obj, buf = split(base)
     meta = obj["__metadata__"]
     names = sorted((n for n in obj if n != "__metadata__"), key=lambda n: obj[n]["data_offsets"][0])
@@ -188,10 +189,10 @@ def restore(base: bytes, blobs: dict[str, bytes] | None = None, edit_header=None
         obj[n]["data_offsets"] = [end, end + len(parts[n])]
         if n in codecs:
             obj[n]["shape"] = [len(parts[n])]
-        sums[n] = sha(parts[n])
+        sums[n] = xxhash.xxh3_128_hexdigest(parts[n]) if xxh3 else sha(parts[n])
         out += parts[n]
         end += len(parts[n])
-    meta["tensor_sha256"] = canon(sums).decode()
+    meta["tensor_xxh3" if xxh3 else "tensor_sha256"] = canon(sums).decode()
     if "tensor_codecs" in meta:
         meta["tensor_codecs"] = canon(codecs).decode()
     if edit_header is not None:
@@ -418,11 +419,55 @@ CASES_V4 = {
 DATA_LEVEL_V4 = {"v4 key widths not summing to 16", "v4 key width 0", "v4 key width 9", "v4 grid NaN",
                  "v4 grid negative scale base", "v4 sink moved (other body rows)"}
 
+# --- version 5: the compact layout, tensors stacked over the layers ---------------------------------------------
+GOLD5 = (GOLDEN_DIR / "small_int4_stacked.kvpack").read_bytes()
+
+#: ``forge3`` on the version-5 golden file.
+forge5 = functools.partial(forge3, base=GOLD5)
+
+
+def _stored(data: bytes, name: str) -> bytes:
+    obj, buf = split(data)
+    b, e = obj[name]["data_offsets"]
+    return buf[b:e]
+
+
+def _add_layer_tensor(obj):
+    """An empty ``layers.0.key_bits`` where the layout rule puts it (U8 tensors by name: after ``key_params``)."""
+    end = obj["key_params"]["data_offsets"][1]
+    obj["layers.0.key_bits"] = {"dtype": "U8", "shape": [0], "data_offsets": [end, end]}
+    sums = json.loads(obj["__metadata__"]["tensor_xxh3"])
+    sums["layers.0.key_bits"] = xxhash.xxh3_128_hexdigest(b"")
+    obj["__metadata__"]["tensor_xxh3"] = canon(sums).decode()
+
+
+# entries per (layer, head) [[38, 5], [48, 33]], sink 2, G 32: body rows [[36, 0], [46, 33]], 6 key groups
+_BITS5 = _stored(GOLD5, "key_bits")  # [2 layers, 2 heads, 4 channels] uint8; layer 0 head 0: [7, 4, 3, 2]
+CASES_V5 = {
+    "v5 key widths not summing to 16": (forge5(tensors={"key_bits": bytes([7, 4, 3, 3]) + _BITS5[4:]}), X),
+    "v5 layer 1 key width 0": (forge5(tensors={"key_bits": _BITS5[:8] + bytes([8, 4, 4, 0]) + _BITS5[12:]}), X),
+    "v5 head lengths not summing": (forge5(tensors={"head_lengths": i32(38, 5, 48, 32)}), X),
+    "v5 head lengths moving a row to layer 0": (forge5(tensors={"head_lengths": i32(39, 5, 47, 33)}), X),
+    "v5 one key group short": (restore(GOLD5, {"key_params": _stored(GOLD5, "key_params")[:20]
+                                                 + _stored(GOLD5, "key_params")[24:44]},
+                                       edit_header=set_entry("key_params", "shape", [2, 5, 4]), xxh3=True), X),
+    "v5 sink moved (other body rows)": (forge5(set_kvpack("sink_tokens", 1)), X),
+    "v5 key widths of one layer": (forge5(set_entry("key_bits", "shape", [4, 4])), X),
+    "v5 grid as one layer": (forge5(set_entry("quant_grid", "shape", [6, 5])), X),
+    "v5 with a per-layer tensor": (forge5(_add_layer_tensor), X),
+    "v5 labelled v4": (forge5(set_meta("format_version", "4")), X),
+    "v4 labelled v5": (forge4(set_meta("format_version", "5")), X),
+    "v5 without quant": (forge5(_drop_quant), X),
+}
+DATA_LEVEL_V5 = {"v5 key widths not summing to 16", "v5 layer 1 key width 0", "v5 head lengths not summing",
+                 "v5 head lengths moving a row to layer 0", "v5 one key group short", "v5 sink moved (other body rows)"}
+
 # Checks that need the tensor data: read_header does not see these problems.
 CASES.update(CASES_V2)
 CASES.update(CASES_V3)
 CASES.update(CASES_V4)
-DATA_LEVEL = DATA_LEVEL_V2 | DATA_LEVEL_V4 | {"v3 tensor checksum mismatch", "v3 positions decreasing"} | {
+CASES.update(CASES_V5)
+DATA_LEVEL = DATA_LEVEL_V2 | DATA_LEVEL_V4 | DATA_LEVEL_V5 | {"v3 tensor checksum mismatch", "v3 positions decreasing"} | {
     "tensor checksum mismatch",
     "head_lengths not summing",
     "head_lengths negative",
