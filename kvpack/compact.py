@@ -53,8 +53,9 @@ __all__ = [
 _SCALE_MULTIPLIERS = torch.tensor([(32 + (k & 31)) * 2.0 ** ((k >> 5) - 12) for k in range(256)], dtype=torch.float32)
 #: Largest multiplier (code 255): 63/32.
 _TOP_MULTIPLIER = float(_SCALE_MULTIPLIERS[255])
-#: ``_SCALE_MULTIPLIERS`` with code 0 mapped to 0: ``base x _CODE_MULTIPLIERS[code]`` is ``scale_table(base)[code]``.
-_CODE_MULTIPLIERS = torch.cat([torch.zeros(1), _SCALE_MULTIPLIERS[1:]])
+#: ``_SCALE_MULTIPLIERS`` with code 0 mapped to 0, as a numpy array: ``base x _CODE_MULTIPLIERS[code]`` is
+#: ``scale_table(base)[code]``.
+_CODE_MULTIPLIERS = np.concatenate([[0.0], _SCALE_MULTIPLIERS[1:].numpy()]).astype(np.float32)
 
 
 def compact_split(positions: torch.Tensor, head_lengths: torch.Tensor, sink_tokens: int, group_size: int
@@ -224,41 +225,34 @@ def _padded_heads(x: torch.Tensor, rows: list[int], padded: list[int], dim: int 
     return torch.cat(parts, dim) if parts else x.narrow(dim, 0, 0)
 
 
-def _key_codes(quants: list, widths: torch.Tensor, groups: list[int], padded: torch.Tensor) -> torch.Tensor:
+def _key_codes(quants: list, widths: np.ndarray, groups: list[int], padded: torch.Tensor) -> torch.Tensor:
     """Key codes ``[K, G, head_dim]`` of the group-padded key rows ``padded`` (uint8 ``[K x G, row bytes]``: the
-    ``groups[i]`` key groups of (layer, head) ``i``, whose channel widths are ``widths[i]``, each padded to ``G``
-    rows): int16, or float32 when every width is the type's bits.
+    ``groups[i]`` key groups of (layer, head) ``i``, whose channel widths are ``widths[i]`` (uint8), each padded
+    to ``G`` rows): int16, or float32 when every width is the type's bits.
 
     Uniform widths take the KIVI unpacking. Otherwise a code of ``w <= 8`` bits at row bit ``o`` lies in the 16-bit
     window of bytes ``o // 8`` and ``o // 8 + 1``: it is ``(window >> o % 8) & (2**w - 1)``. The byte index, shift
-    and mask of each channel are its head's; every group lies in one head, so one table row per group is broadcast
-    over its ``G`` rows (no per-row tables).
+    and mask of each channel are its head's; every group lies in one head, so one table row per group (made with
+    numpy: small) is broadcast over its ``G`` rows (no per-row tables).
     """
     from .quant import _codes_as_float
 
-    g, w = quants[0].group_size, widths.to(torch.int16)
-    d = w.shape[1]
-    if bool((w == quant_type_bits(quants[0].qtype)).all()):
+    g, d = quants[0].group_size, widths.shape[1]
+    if (widths == quant_type_bits(quants[0].qtype)).all():
         return _codes_as_float(padded, quants[0].qtype).view(-1, g, d)
     windows = padded.to(torch.int16)
     windows[:, :-1] |= windows[:, 1:] << 8  # the right-hand side is a new tensor: no overlap
-    offsets = torch.cumsum(w, 1, dtype=torch.int16) - w
-    tables = torch.stack([offsets >> 3, offsets & 7, (1 << w) - 1])
-    tables = _repeat_rows(tables.transpose(0, 1), groups).transpose(0, 1)  # [3, K, D]
-    out = torch.gather(windows.view(-1, g, windows.shape[1]), 2, tables[0].long()[:, None, :].expand(-1, g, d))
-    out.bitwise_right_shift_(tables[1][:, None, :])
-    return out.bitwise_and_(tables[2][:, None, :])
+    w = np.repeat(widths.astype(np.int16), groups, axis=0)  # [K, D]
+    offsets = np.cumsum(w, axis=1, dtype=np.int16) - w
+    out = torch.gather(windows.view(-1, g, windows.shape[1]), 2,
+                       torch.from_numpy((offsets >> 3).astype(np.int64))[:, None, :].expand(-1, g, d))
+    out.bitwise_right_shift_(torch.from_numpy(offsets & 7)[:, None, :])
+    return out.bitwise_and_(torch.from_numpy((1 << w) - 1)[:, None, :])
 
 
 def quant_type_bits(qtype: str) -> int:
     """Bits per code of ``qtype`` (8 for ``"int8"``, 4 for ``"int4"``)."""
     return C.QUANT_TYPES[qtype].bits
-
-
-def _repeat_rows(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """``x[i]`` repeated ``counts[i]`` times along a new first axis, back to back (``[sum of counts, *x.shape[1:]]``;
-    a concatenation of broadcast views, several times faster than ``repeat_interleave`` for a few long runs)."""
-    return torch.cat([x[i].expand(n, *x.shape[1:]) for i, n in enumerate(counts)])
 
 
 def dequantize_compact(qr) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,18 +282,19 @@ def dequantize_compact_layers(quants: list) -> tuple[torch.Tensor, torch.Tensor,
     body = torch.cat([q.body_lengths for q in quants]).tolist()  # rows of each (layer, head)
     groups = [(b + g - 1) // g for b in body]
     heads = len(body) // layers
-    # each key group's and each value row's grid, its layer's: [K, 3, D] and [Q, 3, Dv / Gv]
-    grids = torch.stack([q.quant_grid for q in quants]).float()  # [layers, 3, D + Dv / Gv]
-    key_grid = _repeat_rows(grids[:, :, :d], [sum(groups[l * heads : (l + 1) * heads]) for l in range(layers)])
-    value_grid = _repeat_rows(grids[:, :, d:], [q.value_codes.shape[0] for q in quants])
-    key_params, value_params = (quants[0].key_params, quants[0].value_params) if layers == 1 else (
-        torch.cat([q.key_params for q in quants], 1), torch.cat([q.value_params for q in quants], 1))
-    k_mins = key_params[0].float() * key_grid[:, 1] + key_grid[:, 0]  # min_values, [K, D]
-    k_scales = key_grid[:, 2] * _CODE_MULTIPLIERS[key_params[1].long()]  # scale_table, [K, D]
-    v_mins = value_params[0].float() * value_grid[:, 1] + value_grid[:, 0]  # [Q, Dv / Gv]
-    v_scales = value_grid[:, 2] * _CODE_MULTIPLIERS[value_params[1].long()]
+    # each key group's and each value row's parameters on its layer's grid (numpy: small arrays; float32 multiply,
+    # then add, as min_values and scale_table)
+    grids = np.stack([q.quant_grid.numpy() for q in quants]).astype(np.float32)  # [layers, 3, D + Dv / Gv]
+    key_grid = np.repeat(grids[:, :, :d], [sum(groups[l * heads : (l + 1) * heads]) for l in range(layers)], axis=0)
+    value_grid = np.repeat(grids[:, :, d:], [q.value_codes.shape[0] for q in quants], axis=0)
+    key_params = np.concatenate([q.key_params.numpy() for q in quants], axis=1)  # [2, K, D]
+    value_params = np.concatenate([q.value_params.numpy() for q in quants], axis=1)  # [2, Q, Dv / Gv]
+    k_mins = torch.from_numpy(key_params[0].astype(np.float32) * key_grid[:, 1] + key_grid[:, 0])
+    k_scales = torch.from_numpy(key_grid[:, 2] * _CODE_MULTIPLIERS[key_params[1]])
+    v_mins = torch.from_numpy(value_params[0].astype(np.float32) * value_grid[:, 1] + value_grid[:, 0])
+    v_scales = torch.from_numpy(value_grid[:, 2] * _CODE_MULTIPLIERS[value_params[1]])
     kcodes = quants[0].key_codes if layers == 1 else torch.cat([q.key_codes for q in quants])
-    codes = _key_codes(quants, torch.cat([q.key_bits for q in quants]), groups,
+    codes = _key_codes(quants, np.concatenate([q.key_bits.numpy() for q in quants]), groups,
                        _padded_heads(kcodes, body, [n * g for n in groups]))
     keys = codes if codes.is_floating_point() else codes.float()  # (a mixed-dtype multiply is far slower)
     keys = keys.mul_(k_scales[:, None, :]).add_(k_mins[:, None, :]).view(-1, d)
@@ -308,8 +303,8 @@ def dequantize_compact_layers(quants: list) -> tuple[torch.Tensor, torch.Tensor,
     dv = values.shape[1]
     gv = value_group_size(g, dv)
     values.view(-1, dv // gv, gv).mul_(v_scales.unsqueeze(2)).add_(v_mins.unsqueeze(2))
-    starts = torch.tensor(groups, dtype=torch.int64)
-    return keys, values, ((torch.cumsum(starts, 0) - starts) * g).view(layers, -1)
+    starts = np.cumsum([0] + groups[:-1], dtype=np.int64) * g
+    return keys, values, torch.from_numpy(starts).view(layers, -1)
 
 
 def _group_params(group_min: torch.Tensor, group_max: torch.Tensor, levels: torch.Tensor):

@@ -25,6 +25,7 @@ quantized. A head with fewer than ``G`` non-sink rows is not quantized at all.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from typing import NamedTuple
 
@@ -447,8 +448,8 @@ def dequantize_bodies(quants: list[QuantizedRows]) -> DequantizedBodies:
         quants: the layers' ``QuantizedRows``, all with the same ``qtype``, ``group_size``, layout and head sizes
             (compact layers each use their own grids and widths).
     """
-    body = torch.cat([q.body_lengths for q in quants]).to(torch.int64)
-    back_to_back = (torch.cumsum(body, 0) - body).view(len(quants), -1)
+    body = [b for q in quants for b in q.body_lengths.tolist()]
+    back_to_back = torch.tensor(list(itertools.accumulate([0] + body[:-1])), dtype=torch.int64).view(len(quants), -1)
     if quants[0].layout == C.QUANT_LAYOUT_COMPACT:
         keys, values, key_starts = dequantize_compact_layers(quants)
         return DequantizedBodies(keys, values, key_starts, back_to_back)

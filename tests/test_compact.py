@@ -349,7 +349,7 @@ def test_fast_key_decoding_matches_the_bit_string_reference():
     qs = [q for q, _ in quants]
     body, groups = [5, 0, 9] * 3, [1, 0, 1] * 3  # each head's rows start a group of G = 16 rows
     padded_rows = _padded_heads(torch.cat([q.key_codes for q in qs]), body, [16 * n for n in groups])
-    codes = _key_codes(qs, torch.cat([q.key_bits for q in qs]), groups, padded_rows).reshape(-1, 8)
+    codes = _key_codes(qs, torch.cat([q.key_bits for q in qs]).numpy(), groups, padded_rows).reshape(-1, 8)
     assert codes.shape == (96, 8) and codes.dtype == torch.int16
     rows = torch.tensor([16 * i + r for i, b in enumerate([5, 9] * 3) for r in range(b)])
     assert torch.equal(codes[rows].float(), torch.cat([c for _, c in quants]))
