@@ -357,7 +357,7 @@ def _storage_settings(model, quant: str, group_size: int, zstd_level: int, check
 
 
 def quant_layout_for(checksum: str) -> str:
-    """The quantized layout a build writes: compact (format version 4) with XXH3-128 checksums; KIVI (version 2)
+    """The quantized layout a build writes: compact (format version 5) with XXH3-128 checksums; KIVI (version 2)
     with SHA-256 ones, which ask for files that readers older than version 4 take."""
     return C.QUANT_LAYOUT_COMPACT if checksum == C.CHECKSUM_XXH3 else C.QUANT_LAYOUT_KIVI
 

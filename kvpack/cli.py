@@ -128,7 +128,7 @@ def _method_params(method: str, given: dict) -> dict:
               help="Tokens per prefill and scoring chunk (bounds memory).")
 @click.option("--quant", type=click.Choice(C.QUANT_CHOICES), default=C.QUANT_NONE, show_default=True,
               help="Quantize the kept KV: keys per channel, values per token (KIVI grouping); the attention sink "
-                   "stays in full precision. With --checksum xxh3 the compact layout (format v4: key code widths "
+                   "stays in full precision. With --checksum xxh3 the compact layout (format v5: key code widths "
                    "per channel chosen from the context's queries, 8-bit group parameters); with sha256 the "
                    "KIVI layout of format v2.")
 @click.option("--group-size", type=click.Choice([str(g) for g in C.GROUP_SIZES]), default=str(C.DEFAULT_GROUP_SIZE),

@@ -1,4 +1,4 @@
-"""The compact quantized layout of ``.kvpack`` format version 4: per-channel key code widths and 8-bit group
+"""The compact quantized layout of ``.kvpack`` format versions 4 and 5 (stacked over the layers): per-channel key code widths and 8-bit group
 parameters (``format/SPEC.md`` §5.6).
 
 It keeps KIVI's grouping (arXiv 2402.02750 §3: keys per channel over ``G`` consecutive rows of one head, values

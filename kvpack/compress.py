@@ -53,7 +53,7 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
             absolute errors go to ``metadata["stats"]["quant_error"]``.
         group_size: quantization group ``G``: 32 (default), 64 or 128 tokens per key group; values use
             ``min(G, head_dim)`` channels per group.
-        quant_layout: ``"compact"`` (default; format version 4, ``kvpack.compact``: key code widths per channel
+        quant_layout: ``"compact"`` (default; format version 5, ``kvpack.compact``: key code widths per channel
             chosen from the context's own queries, recorded during the prefill; 8-bit group parameters) or
             ``"kivi"`` (versions 2-3: one width, float16 parameters, each head's last partial group in full
             precision).

@@ -282,7 +282,7 @@ QUANT_INFO_KEYS = ("group_size", "type")
 QUANT_INFO_KEYS_V4 = ("group_size", "layout", "type")
 #: Quantized layouts (``format/SPEC.md`` §5.4 and §5.6). KIVI: float16 group parameters, one code width, each head's
 #: last partial key group in full precision (versions 2 and 3). Compact: per-channel key code widths, 8-bit group
-#: parameters on per-layer grids, every non-sink row of a head with at least one group quantized (version 4).
+#: parameters on per-layer grids, every non-sink row of a head with at least one group quantized (versions 4, 5).
 QUANT_LAYOUT_KIVI = "kivi"
 QUANT_LAYOUT_COMPACT = "compact"
 QUANT_LAYOUTS = (QUANT_LAYOUT_COMPACT, QUANT_LAYOUT_KIVI)

@@ -9,7 +9,7 @@ zero entries. Keys are stored as cached, i.e. after RoPE at their original posit
 A quantized layer (``LayerEntries.quant`` set, ``kvpack.quant``) keeps the same ``positions`` and ``head_lengths``
 but splits each head's rows: the sink rows and the trailing residual rows stay in ``keys``/``values`` (full
 precision), the body rows in between are in ``quant`` as int8/int4 codes with their group parameters
-(``QuantizedRows``: the KIVI layout of format versions 2-3, or the compact layout of version 4).
+(``QuantizedRows``: the KIVI layout of format versions 2-3, or the compact layout of versions 4 and 5).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class QuantizedRows:
     ``layout == "kivi"`` (format versions 2 and 3, ``kvpack.quant``): ``body_lengths[h]`` is a multiple of ``G``
     (as many rows as fit); one code width (``qtype``'s bits); float16 scales and mins.
 
-    ``layout == "compact"`` (format version 4, ``kvpack.compact``): ``body_lengths[h]`` is every non-sink row when
+    ``layout == "compact"`` (format versions 4 and 5, ``kvpack.compact``): ``body_lengths[h]`` is every non-sink row when
     there are at least ``G`` of them (else 0), so a head's last key group may be shorter than ``G``; each head's
     key channels have their own code widths; scales and mins are 8-bit codes on per-layer grids.
 

@@ -1,6 +1,6 @@
 """Reference int8/int4 KV quantization (KIVI layout, arXiv 2402.02750): the codec of quantized ``.kvpack`` v2/v3
 files, and the entry points (``quantize_pack``, ``quantize_layer``, ``dequantize_rows``) for both layouts; the
-compact layout of version 4 is ``kvpack.compact``.
+compact layout of versions 4 and 5 is ``kvpack.compact``.
 
 Keys are quantized **per channel**: a group is ``G`` consecutive rows (tokens) of one KV head, one scale and one
 min per channel. Values are quantized **per token**: a group is ``Gv = min(G, head_dim_v)`` consecutive channels

@@ -7,7 +7,7 @@ alike; the ratios are what to quote.
     python tools/bench_main_job.py --tokens 4096 --ratio 0.3 --repeats 5
     python tools/bench_main_job.py --tokens 4096 --ratio 0.3 --repeats 9 --quant int4 --group-size 64 --zstd-level 19
 
-With ``--quant`` the pack is quantized in the compact layout (format v4) and the second file loaded is the same
+With ``--quant`` the pack is quantized in the compact layout (format v5) and the second file loaded is the same
 selection in the KIVI layout (v3), so the two layouts' load times are compared side by side.
 """
 

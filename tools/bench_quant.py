@@ -140,7 +140,7 @@ def main() -> None:
     ap.add_argument("--key-layouts", action="store_true",
                     help="also ask: keys per token, keys in half-size groups, pre-RoPE keys (values: --quant)")
     ap.add_argument("--layout", default=C.DEFAULT_QUANT_LAYOUT, choices=C.QUANT_LAYOUTS,
-                    help="quantized layout of the stored --quant packs (compact: format v4; kivi: v2/v3)")
+                    help="quantized layout of the stored --quant packs (compact: format v5; kivi: v2/v3)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args()
 
