@@ -211,6 +211,22 @@ def group_index(body_lengths: torch.Tensor, group_size: int) -> tuple[torch.Tens
                                                                                       groups)
 
 
+def _joined(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat(parts, dim)``, without copying when the parts are consecutive slices along ``dim`` of one storage
+    (the layers of a version-5 file are views of one tensor per part): then a view of that storage."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    storage, offset, rest = first.untyped_storage().data_ptr(), first.storage_offset(), first.shape[dim + 1 :]
+    for p in parts:
+        if (p.untyped_storage().data_ptr() != storage or p.dtype != first.dtype or p.stride() != first.stride()
+                or p.storage_offset() != offset or p.shape[:dim] != first.shape[:dim] or p.shape[dim + 1 :] != rest):
+            return torch.cat(parts, dim)
+        offset += p.shape[dim] * first.stride(dim)
+    shape = (*first.shape[:dim], sum(p.shape[dim] for p in parts), *rest)
+    return first.as_strided(shape, first.stride(), first.storage_offset())
+
+
 def _padded_heads(x: torch.Tensor, rows: list[int], padded: list[int], dim: int = 0) -> torch.Tensor:
     """``x`` (runs of ``rows[i]`` rows back to back along ``dim``) with each run followed by zero rows up to
     ``padded[i]`` rows: one concatenation (several times cheaper than an index copy)."""
@@ -284,21 +300,21 @@ def dequantize_compact_layers(quants: list) -> tuple[torch.Tensor, torch.Tensor,
     heads = len(body) // layers
     # each key group's and each value row's parameters on its layer's grid (numpy: small arrays; float32 multiply,
     # then add, as min_values and scale_table)
-    grids = np.stack([q.quant_grid.numpy() for q in quants]).astype(np.float32)  # [layers, 3, D + Dv / Gv]
+    grids = _joined([q.quant_grid.unsqueeze(0) for q in quants]).numpy()  # float32 [layers, 3, D + Dv / Gv]
     key_grid = np.repeat(grids[:, :, :d], [sum(groups[l * heads : (l + 1) * heads]) for l in range(layers)], axis=0)
     value_grid = np.repeat(grids[:, :, d:], [q.value_codes.shape[0] for q in quants], axis=0)
-    key_params = np.concatenate([q.key_params.numpy() for q in quants], axis=1)  # [2, K, D]
-    value_params = np.concatenate([q.value_params.numpy() for q in quants], axis=1)  # [2, Q, Dv / Gv]
+    key_params = _joined([q.key_params for q in quants], 1).numpy()  # [2, K, D]
+    value_params = _joined([q.value_params for q in quants], 1).numpy()  # [2, Q, Dv / Gv]
     k_mins = torch.from_numpy(key_params[0].astype(np.float32) * key_grid[:, 1] + key_grid[:, 0])
     k_scales = torch.from_numpy(key_grid[:, 2] * _CODE_MULTIPLIERS[key_params[1]])
     v_mins = torch.from_numpy(value_params[0].astype(np.float32) * value_grid[:, 1] + value_grid[:, 0])
     v_scales = torch.from_numpy(value_grid[:, 2] * _CODE_MULTIPLIERS[value_params[1]])
-    kcodes = quants[0].key_codes if layers == 1 else torch.cat([q.key_codes for q in quants])
-    codes = _key_codes(quants, np.concatenate([q.key_bits.numpy() for q in quants]), groups,
+    kcodes = _joined([q.key_codes for q in quants])
+    codes = _key_codes(quants, _joined([q.key_bits for q in quants]).numpy(), groups,
                        _padded_heads(kcodes, body, [n * g for n in groups]))
     keys = codes if codes.is_floating_point() else codes.float()  # (a mixed-dtype multiply is far slower)
     keys = keys.mul_(k_scales[:, None, :]).add_(k_mins[:, None, :]).view(-1, d)
-    vcodes = quants[0].value_codes if layers == 1 else torch.cat([q.value_codes for q in quants])
+    vcodes = _joined([q.value_codes for q in quants])
     values = _codes_as_float(vcodes, quants[0].qtype)
     dv = values.shape[1]
     gv = value_group_size(g, dv)
@@ -422,7 +438,7 @@ def compact_values_problem(quants: list, d: int) -> str | None:
     widths in ``[MIN_KEY_BITS, MAX_KEY_BITS]`` summing to ``bits x d`` per head; a finite grid with non-negative
     min steps and scale bases. ``None`` if they pass, else the problem (naming the first bad layer)."""
     bits = quant_type_bits(quants[0].qtype)
-    widths = np.stack([q.key_bits.numpy() for q in quants])  # [layers, heads, d] uint8
+    widths = _joined([q.key_bits.unsqueeze(0) for q in quants]).numpy()  # [layers, heads, d] uint8
     bad = (widths < C.MIN_KEY_BITS).any(axis=(1, 2)) | (widths > C.MAX_KEY_BITS).any(axis=(1, 2))
     if bad.any():
         return f"layer {int(bad.argmax())}: key code widths must lie in [{C.MIN_KEY_BITS}, {C.MAX_KEY_BITS}] bits"
@@ -430,7 +446,7 @@ def compact_values_problem(quants: list, d: int) -> str | None:
     if bad.any():
         return (f"layer {int(bad.argmax())}: each head's key code widths must sum to {bits * d} "
                 f"({quants[0].qtype} x head_dim {d})")
-    grids = np.stack([q.quant_grid.numpy() for q in quants])  # [layers, 3, columns] float32
+    grids = _joined([q.quant_grid.unsqueeze(0) for q in quants]).numpy()  # [layers, 3, columns] float32
     bad = ~np.isfinite(grids).all(axis=(1, 2)) | (grids[:, 1:] < 0).any(axis=(1, 2))
     if bad.any():
         return (f"layer {int(bad.argmax())}: the quantization grid must be finite, with non-negative min steps "

@@ -503,11 +503,11 @@ def _load(source: Source) -> tuple[PackHeader, Pack]:
     t = {name: _tensor(data, info, src.name, name, decompressor) for name, info in header.tensors.items()}
     meta = dict(header.metadata)
     sink = meta.pop(C.SINK_TOKENS_KEY)
+    split = _checked_split(t, header, sink)
     if header.format_version >= C.FORMAT_VERSION_V5:  # per-layer views of the stacked tensors, named as in v4
-        problem = _unstacked(t, header, sink)
+        problem = _unstacked(t, header, sink, None if split is None else split[1].numpy())
         if problem is not None:
             raise CorruptFileError(f"{src.name}: {problem}; {_REBUILD}")
-    split = _checked_split(t, header, sink)
     all_lengths = t[C.HEAD_LENGTHS].to(torch.int64)
     header_dims = (t[C.layer_tensor_name(0, C.KEYS)].shape[1], t[C.layer_tensor_name(0, C.VALUES)].shape[1])
     layers = []
@@ -555,13 +555,15 @@ def _load(source: Source) -> tuple[PackHeader, Pack]:
     return header, pack
 
 
-def _unstacked(t: dict[str, torch.Tensor], header: PackHeader, sink: int) -> str | None:
+def _unstacked(t: dict[str, torch.Tensor], header: PackHeader, sink: int, body: np.ndarray | None = None
+               ) -> str | None:
     """Add to ``t`` (a version-5 file's tensors) each layer's share of every stacked part as a view named as in a
     version-4 file (``layers.{l}.{part}``), so the per-layer checks and the loader treat both versions alike.
 
     Layer ``l`` owns ``sum(head_lengths[l])`` positions, of which its heads' compact body rows (``compact_split``:
     every non-sink row when there are at least ``G`` of them) are quantized rows and key groups, and the rest
-    full-precision rows; ``key_bits[l]`` and ``quant_grid[l]`` are its own. Returns the problem (and adds nothing)
+    full-precision rows (``body``: the body rows ``[layers, kv_heads]`` when ``_checked_split`` has them, else
+    derived here); ``key_bits[l]`` and ``quant_grid[l]`` are its own. Returns the problem (and adds nothing)
     if the head lengths cannot be split (negative, or not summing to the positions) or the split does not add up to
     a stacked tensor's rows.
     """
@@ -571,11 +573,12 @@ def _unstacked(t: dict[str, torch.Tensor], header: PackHeader, sink: int) -> str
         return (f"{C.HEAD_LENGTHS!r} must be non-negative and sum to the {positions.shape[0]} entries of "
                 f"{C.POSITIONS!r}")
     g = header.group_size
-    flat = lengths.reshape(-1)
-    ends = np.cumsum(flat)
-    below = np.concatenate([[0], np.cumsum(positions < sink)])
-    rest = flat - (below[ends] - below[ends - flat])  # non-sink rows of each head
-    body = np.where(rest >= g, rest, 0).reshape(lengths.shape)
+    if body is None:
+        flat = lengths.reshape(-1)
+        ends = np.cumsum(flat)
+        below = np.concatenate([[0], np.cumsum(positions < sink)])
+        rest = flat - (below[ends] - below[ends - flat])  # non-sink rows of each head
+        body = np.where(rest >= g, rest, 0).reshape(lengths.shape)
     counts = {  # part -> (rows of each layer, axis)
         C.POSITIONS: (lengths.sum(axis=1), 0),
         C.KEYS: (lengths.sum(axis=1) - body.sum(axis=1), 0),
@@ -606,8 +609,8 @@ def _checked_split(t: dict[str, torch.Tensor], header: PackHeader, sink: int
                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The value checks of ``_pack_problem`` on a file's tensors, for all layers at once; plus the quantized split.
 
-    ``t`` are the file's tensors (int32 ``token_ids``, ``head_lengths`` ``[layers, kv_heads]``, ``positions``; the
-    header has validated every dtype and shape). Checks: token ids >= 0; per layer, head lengths >= 0 summing to
+    ``t`` are the file's tensors (int32 ``token_ids``, ``head_lengths`` ``[layers, kv_heads]``, ``positions``, per
+    layer or, version 5, stacked over the layers; the header has validated every dtype and shape). Checks: token ids >= 0; per layer, head lengths >= 0 summing to
     the layer's entries, positions in ``[0, tokens)`` and strictly increasing within each head; for a quantized
     file, that the body rows the layout rule gives (``split_lengths``, or ``compact_split`` for the compact layout)
     add up to each layer's quantized rows (and, compact, that its key groups add up to its key parameter rows).
@@ -620,13 +623,19 @@ def _checked_split(t: dict[str, torch.Tensor], header: PackHeader, sink: int
     if tokens.size and tokens.min() < 0:  # int32 ids are <= INT32_MAX by type
         return None
     lengths = t[C.HEAD_LENGTHS].numpy().astype(np.int64)  # [layers, kv_heads]
-    pos = [t[C.layer_tensor_name(l, C.POSITIONS)].numpy() for l in range(layers)]
-    if lengths.min() < 0 or lengths.sum(axis=1).tolist() != [p.shape[0] for p in pos]:
-        return None
+    stacked = C.POSITIONS in t  # version 5: one tensor per part for all layers
+    if stacked:
+        allpos = t[C.POSITIONS].numpy()
+        if lengths.min() < 0 or lengths.sum() != allpos.shape[0]:
+            return None
+    else:
+        pos = [t[C.layer_tensor_name(l, C.POSITIONS)].numpy() for l in range(layers)]
+        if lengths.min() < 0 or lengths.sum(axis=1).tolist() != [p.shape[0] for p in pos]:
+            return None
+        allpos = np.concatenate(pos)
     flat = lengths.reshape(-1)  # (layer, head) segments, in the order of the concatenated positions
     ends = np.cumsum(flat)
     starts = ends - flat
-    allpos = np.concatenate(pos)
     if allpos.size:
         if allpos.min() < 0 or allpos.max() >= tokens.shape[0]:
             return None
@@ -643,12 +652,16 @@ def _checked_split(t: dict[str, torch.Tensor], header: PackHeader, sink: int
     if header.quant_layout == C.QUANT_LAYOUT_COMPACT:
         body = np.where(flat - sinks >= g, flat - sinks, 0)
         groups = ((body + g - 1) // g).reshape(layers, -1).sum(axis=1).tolist()
-        if groups != [t[C.layer_tensor_name(l, C.KEY_PARAMS)].shape[1] for l in range(layers)]:
+        if (sum(groups) != t[C.KEY_PARAMS].shape[1] if stacked else
+                groups != [t[C.layer_tensor_name(l, C.KEY_PARAMS)].shape[1] for l in range(layers)]):
             return None
     else:
         body = (flat - sinks) // g * g
-    rows = [t[C.layer_tensor_name(l, C.KEY_CODES)].shape[0] for l in range(layers)]
-    if body.reshape(layers, -1).sum(axis=1).tolist() != rows:
+    if stacked:
+        if int(body.sum()) != t[C.KEY_CODES].shape[0]:
+            return None
+    elif body.reshape(layers, -1).sum(axis=1).tolist() != [t[C.layer_tensor_name(l, C.KEY_CODES)].shape[0]
+                                                            for l in range(layers)]:
         return None
     return torch.from_numpy(sinks.reshape(lengths.shape)), torch.from_numpy(body.reshape(lengths.shape))
 

@@ -417,3 +417,21 @@ def test_compact_int4_builds_loads_and_generates_on_every_architecture(arch, tmp
     cache = kvpack.load(path, model)
     assert cache.get_seq_length() == pack.original_tokens
     assert isinstance(kvpack.generate(model, tok, cache, "What is the secret code of Alice?", max_new_tokens=2), str)
+
+
+def test_joined_is_a_view_of_consecutive_slices_and_a_copy_otherwise():
+    """Version-5 layers are slices of one tensor per part; joining them again must not copy, and must equal
+    ``torch.cat`` whatever the parts."""
+    from kvpack.compact import _joined
+
+    base = torch.arange(2 * 9 * 3).view(2, 9, 3)
+    parts = [base[:, 0:2], base[:, 2:2], base[:, 2:7], base[:, 7:9]]
+    joined = _joined(parts, 1)
+    assert torch.equal(joined, base) and joined.data_ptr() == base.data_ptr()
+    rows = torch.arange(40).view(10, 4)
+    assert _joined([rows[0:3], rows[3:10]]).data_ptr() == rows.data_ptr()
+    stacked = _joined([rows[i].unsqueeze(0) for i in range(10)])
+    assert torch.equal(stacked, rows) and stacked.data_ptr() == rows.data_ptr()
+    for gappy in ([rows[0:3], rows[4:10]], [rows[3:6], rows[0:3]], [rows[0:3], rows[3:10].clone()]):
+        out = _joined(gappy)
+        assert torch.equal(out, torch.cat(gappy)) and out.data_ptr() != rows.data_ptr()
