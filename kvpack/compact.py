@@ -431,23 +431,22 @@ def compact_problem(qr, d: int, dv: int) -> str | None:
         if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
             got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             return f"quant.{name} must be {dtype} {list(shape)}, not {got}"
-    return compact_values_problem([qr], d)
+    return compact_values_problem(qr.key_bits.cpu().numpy()[None], qr.quant_grid.cpu().numpy()[None], qr.qtype, d)
 
 
-def compact_values_problem(quants: list, d: int) -> str | None:
-    """The value checks of ``compact_problem`` for several layers of the right shapes at once (the reader's):
-    widths in ``[MIN_KEY_BITS, MAX_KEY_BITS]`` summing to ``bits x d`` per head; a finite grid with non-negative
-    min steps and scale bases. ``None`` if they pass, else the problem (naming the first bad layer)."""
-    bits = quant_type_bits(quants[0].qtype)
-    widths = _joined([q.key_bits.unsqueeze(0) for q in quants]).numpy()  # [layers, heads, d] uint8
+def compact_values_problem(widths: np.ndarray, grids: np.ndarray, qtype: str, d: int) -> str | None:
+    """The value checks of ``compact_problem`` for several layers at once (the reader's), on their key code widths
+    ``[layers, kv_heads, d]`` and grids ``[layers, 3, columns]`` (numpy; a version-5 file stores them so): widths in
+    ``[MIN_KEY_BITS, MAX_KEY_BITS]`` summing to ``bits x d`` per head; a finite grid with non-negative min steps and
+    scale bases. ``None`` if they pass, else the problem (naming the first bad layer)."""
+    bits = quant_type_bits(qtype)
     bad = (widths < C.MIN_KEY_BITS).any(axis=(1, 2)) | (widths > C.MAX_KEY_BITS).any(axis=(1, 2))
     if bad.any():
         return f"layer {int(bad.argmax())}: key code widths must lie in [{C.MIN_KEY_BITS}, {C.MAX_KEY_BITS}] bits"
     bad = (widths.sum(axis=2, dtype=np.int64) != bits * d).any(axis=1)
     if bad.any():
         return (f"layer {int(bad.argmax())}: each head's key code widths must sum to {bits * d} "
-                f"({quants[0].qtype} x head_dim {d})")
-    grids = _joined([q.quant_grid.unsqueeze(0) for q in quants]).numpy()  # [layers, 3, columns] float32
+                f"({qtype} x head_dim {d})")
     bad = ~np.isfinite(grids).all(axis=(1, 2)) | (grids[:, 1:] < 0).any(axis=(1, 2))
     if bad.any():
         return (f"layer {int(bad.argmax())}: the quantization grid must be finite, with non-negative min steps "

@@ -22,6 +22,7 @@ import os
 import re
 import secrets
 import stat
+import threading
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -543,7 +544,12 @@ def _load(source: Source) -> tuple[PackHeader, Pack]:
             quant=quant,
         ))
     if split is not None and header.quant_layout == C.QUANT_LAYOUT_COMPACT:  # shapes: checked with the header
-        problem = compact_values_problem([layer.quant for layer in layers], header_dims[0])
+        if header.format_version >= C.FORMAT_VERSION_V5:
+            widths, grids = t[C.KEY_BITS].numpy(), t[C.QUANT_GRID].numpy()
+        else:
+            widths = np.stack([layer.quant.key_bits.numpy() for layer in layers])
+            grids = np.stack([layer.quant.quant_grid.numpy() for layer in layers])
+        problem = compact_values_problem(widths, grids, header.quant_type, header_dims[0])
         if problem is not None:
             raise CorruptFileError(f"{src.name}: {problem}; {_REBUILD}")
     pack = Pack(token_ids=t[C.TOKEN_IDS].to(torch.int64), layers=layers, sink_tokens=sink, metadata=meta)
@@ -938,7 +944,8 @@ def _encode(raw: bytes, code: str, filt: str, level: int) -> bytes:
 
 
 def _decompressor(header: PackHeader) -> zstandard.ZstdDecompressor | None:
-    """One zstd decompressor for all the encoded tensors of a file (``None`` if it has none).
+    """One zstd decompressor for all the encoded tensors of a file (``None`` if it has none), reused by later loads
+    on the same thread.
 
     Its window limit is the largest any of the file's frames may use (the next power of two >= the tensor's size,
     at least 1 KiB). ``_decode`` hands zstd an output buffer of exactly the declared content size and the whole
@@ -948,7 +955,19 @@ def _decompressor(header: PackHeader) -> zstandard.ZstdDecompressor | None:
     sizes = [info.raw_nbytes for info in header.tensors.values() if info.codec is not None]
     if not sizes:
         return None
-    return zstandard.ZstdDecompressor(max_window_size=1 << max(10, (max(sizes) - 1).bit_length()))
+    window = 1 << max(10, (max(sizes) - 1).bit_length())
+    cached = getattr(_DECOMPRESSORS, "by_window", None)  # one per thread: a decompressor is not thread-safe
+    if cached is None:
+        cached = _DECOMPRESSORS.by_window = {}
+    if window not in cached:
+        if len(cached) >= 8:
+            cached.clear()
+        cached[window] = zstandard.ZstdDecompressor(max_window_size=window)
+    return cached[window]
+
+
+#: Per-thread zstd decompressors by window limit (creating one costs more than decoding a small frame).
+_DECOMPRESSORS = threading.local()
 
 
 def _decode(where: str, name: str, data: memoryview, info: TensorInfo,
