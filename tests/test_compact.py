@@ -435,3 +435,15 @@ def test_joined_is_a_view_of_consecutive_slices_and_a_copy_otherwise():
     for gappy in ([rows[0:3], rows[4:10]], [rows[3:6], rows[0:3]], [rows[0:3], rows[3:10].clone()]):
         out = _joined(gappy)
         assert torch.equal(out, torch.cat(gappy)) and out.data_ptr() != rows.data_ptr()
+
+
+def test_zstd_files_load_alike_from_several_threads():
+    """The reader reuses one zstd decompressor per thread (damaged frames before good ones on one thread: the
+    hostile-file tests); loads on several threads at once must all give the golden pack."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    data = (GOLDEN_DIR / "small_int4_stacked_zstd.kvpack").read_bytes()
+    want = GOLDEN_V5["small_int4_stacked_zstd.kvpack"][0]()
+    with ThreadPoolExecutor(4) as pool:
+        for pack in pool.map(lambda _: load_pack(data), range(16)):
+            assert_packs_equal(pack, want)
