@@ -1,5 +1,5 @@
-"""The compact quantized layout of ``.kvpack`` format versions 4 and 5 (stacked over the layers): per-channel key code widths and 8-bit group
-parameters (``format/SPEC.md`` §5.6).
+"""The compact quantized layout of ``.kvpack`` format versions 4 and 5 (stacked over the layers): per-channel key
+code widths and 8-bit group parameters (``format/SPEC.md`` §5.6, §5.7).
 
 It keeps KIVI's grouping (arXiv 2402.02750 §3: keys per channel over ``G`` consecutive rows of one head, values
 per row over ``Gv = min(G, head_dim_v)`` channels; asymmetric ``x_hat = code x scale + min``) and changes three

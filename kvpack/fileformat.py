@@ -580,11 +580,7 @@ def _unstacked(t: dict[str, torch.Tensor], header: PackHeader, sink: int, body: 
                 f"{C.POSITIONS!r}")
     g = header.group_size
     if body is None:
-        flat = lengths.reshape(-1)
-        ends = np.cumsum(flat)
-        below = np.concatenate([[0], np.cumsum(positions < sink)])
-        rest = flat - (below[ends] - below[ends - flat])  # non-sink rows of each head
-        body = np.where(rest >= g, rest, 0).reshape(lengths.shape)
+        body = _head_split(lengths.reshape(-1), positions, sink, g, compact=True)[1].reshape(lengths.shape)
     counts = {  # part -> (rows of each layer, axis)
         C.POSITIONS: (lengths.sum(axis=1), 0),
         C.KEYS: (lengths.sum(axis=1) - body.sum(axis=1), 0),
@@ -611,15 +607,29 @@ def _unstacked(t: dict[str, torch.Tensor], header: PackHeader, sink: int, body: 
     return None
 
 
+def _head_split(flat: np.ndarray, positions: np.ndarray, sink: int, group_size: int, compact: bool
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Sink and body rows of each head, ``(sinks, body)`` int64 ``[heads]``, for heads of ``flat[i]`` rows whose
+    ``positions`` lie back to back (increasing within a head, so its sink rows, positions below ``sink``, lead it).
+    Body rows: every non-sink row when there are at least ``group_size`` (compact layout, ``compact.compact_split``),
+    else as many whole groups as fit (KIVI layout, ``quant.split_lengths``)."""
+    ends = np.cumsum(flat)
+    below = np.concatenate([[0], np.cumsum(positions < sink)])
+    sinks = below[ends] - below[ends - flat]
+    rest = flat - sinks
+    return sinks, (np.where(rest >= group_size, rest, 0) if compact else rest // group_size * group_size)
+
+
 def _checked_split(t: dict[str, torch.Tensor], header: PackHeader, sink: int
                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The value checks of ``_pack_problem`` on a file's tensors, for all layers at once; plus the quantized split.
 
     ``t`` are the file's tensors (int32 ``token_ids``, ``head_lengths`` ``[layers, kv_heads]``, ``positions``, per
-    layer or, version 5, stacked over the layers; the header has validated every dtype and shape). Checks: token ids >= 0; per layer, head lengths >= 0 summing to
-    the layer's entries, positions in ``[0, tokens)`` and strictly increasing within each head; for a quantized
-    file, that the body rows the layout rule gives (``split_lengths``, or ``compact_split`` for the compact layout)
-    add up to each layer's quantized rows (and, compact, that its key groups add up to its key parameter rows).
+    layer or, version 5, stacked over the layers; the header has validated every dtype and shape). Checks: token
+    ids >= 0; per layer, head lengths >= 0 summing to the layer's entries, positions in ``[0, tokens)`` and
+    strictly increasing within each head; for a quantized file, that the body rows the layout rule gives
+    (``_head_split``) add up to each layer's quantized rows (and, compact, that its key groups add up to its key
+    parameter rows); in a version-5 file, to the stacked tensors' rows.
 
     Returns ``None`` if any check fails (``_pack_problem`` then says which), else ``(sink_lengths, body_lengths)``:
     int64 ``[layers, kv_heads]`` (per ``split_lengths``; zeros for an unquantized file).
@@ -653,16 +663,13 @@ def _checked_split(t: dict[str, torch.Tensor], header: PackHeader, sink: int
         zeros = torch.zeros(lengths.shape, dtype=torch.int64)
         return zeros, zeros
     g = header.group_size
-    below = np.concatenate([[0], np.cumsum(allpos < sink)])  # sink entries lead each head (positions increase)
-    sinks = below[ends] - below[starts]
-    if header.quant_layout == C.QUANT_LAYOUT_COMPACT:
-        body = np.where(flat - sinks >= g, flat - sinks, 0)
+    compact = header.quant_layout == C.QUANT_LAYOUT_COMPACT
+    sinks, body = _head_split(flat, allpos, sink, g, compact)
+    if compact:
         groups = ((body + g - 1) // g).reshape(layers, -1).sum(axis=1).tolist()
         if (sum(groups) != t[C.KEY_PARAMS].shape[1] if stacked else
                 groups != [t[C.layer_tensor_name(l, C.KEY_PARAMS)].shape[1] for l in range(layers)]):
             return None
-    else:
-        body = (flat - sinks) // g * g
     if stacked:
         if int(body.sum()) != t[C.KEY_CODES].shape[0]:
             return None
@@ -955,13 +962,9 @@ def _decompressor(header: PackHeader) -> zstandard.ZstdDecompressor | None:
     sizes = [info.raw_nbytes for info in header.tensors.values() if info.codec is not None]
     if not sizes:
         return None
-    window = 1 << max(10, (max(sizes) - 1).bit_length())
-    cached = getattr(_DECOMPRESSORS, "by_window", None)  # one per thread: a decompressor is not thread-safe
-    if cached is None:
-        cached = _DECOMPRESSORS.by_window = {}
+    window = 1 << max(10, (max(sizes) - 1).bit_length())  # a power of two: few distinct values
+    cached = _DECOMPRESSORS.__dict__.setdefault("by_window", {})  # one per thread: a decompressor is not thread-safe
     if window not in cached:
-        if len(cached) >= 8:
-            cached.clear()
         cached[window] = zstandard.ZstdDecompressor(max_window_size=window)
     return cached[window]
 

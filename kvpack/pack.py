@@ -35,9 +35,9 @@ class QuantizedRows:
     ``layout == "kivi"`` (format versions 2 and 3, ``kvpack.quant``): ``body_lengths[h]`` is a multiple of ``G``
     (as many rows as fit); one code width (``qtype``'s bits); float16 scales and mins.
 
-    ``layout == "compact"`` (format versions 4 and 5, ``kvpack.compact``): ``body_lengths[h]`` is every non-sink row when
-    there are at least ``G`` of them (else 0), so a head's last key group may be shorter than ``G``; each head's
-    key channels have their own code widths; scales and mins are 8-bit codes on per-layer grids.
+    ``layout == "compact"`` (format versions 4 and 5, ``kvpack.compact``): ``body_lengths[h]`` is every non-sink
+    row when there are at least ``G`` of them (else 0), so a head's last key group may be shorter than ``G``; each
+    head's key channels have their own code widths; scales and mins are 8-bit codes on per-layer grids.
 
     Attributes:
         qtype: ``"int8"`` or ``"int4"`` (``constants.QUANT_TYPES``).

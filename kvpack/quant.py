@@ -33,7 +33,8 @@ import torch
 
 from . import constants as C
 from .errors import InputError
-from .compact import compact_problem, compact_split, dequantize_compact, dequantize_compact_layers, quantize_compact
+from .compact import (_joined, compact_problem, compact_split, dequantize_compact, dequantize_compact_layers,
+                      quantize_compact)
 from .pack import LayerEntries, Pack, QuantizedRows
 
 __all__ = [
@@ -456,8 +457,7 @@ def dequantize_bodies(quants: list[QuantizedRows]) -> DequantizedBodies:
     qtype, g = quants[0].qtype, quants[0].group_size
 
     def joined(part: str) -> torch.Tensor:
-        parts = [getattr(q, part) for q in quants]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return _joined([getattr(q, part) for q in quants])
 
     keys = dequantize_keys(joined("key_codes"), joined("key_scales"), joined("key_mins"), qtype, g)
     values = dequantize_values(joined("value_codes"), joined("value_scales"), joined("value_mins"), qtype, g)

@@ -246,7 +246,8 @@ def test_compact_golden_files_are_reproduced_and_load_back():
 
 def test_compact_pack_needs_xxh3_and_kivi_files_keep_their_versions():
     compact = quantize_pack(golden_unquantized_for_int(), "int4", 32)
-    with pytest.raises(InputError, match="checksum='xxh3', or build it with kvpack.compress\\(..., quant_layout='kivi'\\)"):
+    fix = "checksum='xxh3', or build it with kvpack.compress\\(..., quant_layout='kivi'\\)"
+    with pytest.raises(InputError, match=fix):
         pack_to_bytes(compact, 0, "sha256")
     kivi = quantize_pack(golden_unquantized_for_int(), "int4", 32, "kivi")
     assert read_header(pack_to_bytes(kivi, 0, "sha256")).format_version == 2

@@ -467,7 +467,8 @@ CASES.update(CASES_V2)
 CASES.update(CASES_V3)
 CASES.update(CASES_V4)
 CASES.update(CASES_V5)
-DATA_LEVEL = DATA_LEVEL_V2 | DATA_LEVEL_V4 | DATA_LEVEL_V5 | {"v3 tensor checksum mismatch", "v3 positions decreasing"} | {
+DATA_LEVEL = DATA_LEVEL_V2 | DATA_LEVEL_V4 | DATA_LEVEL_V5 | {
+    "v3 tensor checksum mismatch", "v3 positions decreasing"} | {
     "tensor checksum mismatch",
     "head_lengths not summing",
     "head_lengths negative",
