@@ -213,7 +213,8 @@ def group_index(body_lengths: torch.Tensor, group_size: int) -> tuple[torch.Tens
 
 def _joined(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
     """``torch.cat(parts, dim)``, without copying when the parts are consecutive slices along ``dim`` of one storage
-    (the layers of a version-5 file are views of one tensor per part): then a view of that storage."""
+    (the layers of a version-5 file are views of one tensor per part, ``format/SPEC.md`` §5.7): then a view of that
+    storage. ``parts``: one or more tensors, equal but for their size along ``dim``."""
     first = parts[0]
     if len(parts) == 1:
         return first
@@ -282,8 +283,9 @@ def dequantize_compact(qr) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_compact_layers(quants: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The body rows of several compact-layout layers (same type, group size and head sizes) dequantized at once;
-    bit-identical to ``code x scale + min`` of each layer alone (each group's parameters come from its own layer's
-    grid; float32 multiply, then add; ``format/SPEC.md`` §5.6).
+    bit-identical to ``code x scale + min`` of each layer alone (KIVI's grouping, arXiv 2402.02750 §3; each group's
+    parameters come from its own layer's grid; float32 multiply, then add; ``format/SPEC.md`` §5.6). CPU tensors;
+    no errors raised beyond torch's and numpy's for mismatched shapes (the reader checks shapes first).
 
     Returns:
         ``(keys, values, key_starts)``: keys float32 ``[K x G, head_dim]`` in group-padded rows (``K`` key groups in

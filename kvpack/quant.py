@@ -423,7 +423,8 @@ def head_row_pieces(entries: LayerEntries, dtype: torch.dtype | None = None,
 
 
 class DequantizedBodies(NamedTuple):
-    """The body rows of several quantized layers in full precision (``dequantize_bodies``).
+    """The body rows of several quantized layers in full precision (``dequantize_bodies``; KIVI grouping,
+    arXiv 2402.02750 §3, in either layout).
 
     ``keys`` float32 ``[key rows, head_dim]`` and ``values`` float32 ``[value rows, head_dim_v]``; the body rows of
     head ``h`` of layer ``l`` are rows ``key_starts[l, h]`` (of ``keys``) and ``value_starts[l, h]`` (of ``values``)
