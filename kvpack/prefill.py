@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from transformers import DynamicCache
 
-from .attention import use_kvpack_attention
+from .attention import masks_unused, use_kvpack_attention
 from .cache import KvpackCache, PackedLayer
 from .layout import ChatLayout
 from .model import ModelSpec
@@ -114,20 +115,22 @@ def prefill(model, token_ids: list[int], sink: int, layout: ChatLayout, spec: Mo
     else:
         cache = DynamicCache(config=model.config)
     body = model.base_model
-    for start in range(0, len(token_ids), chunk_size):
-        chunk = ids[start : start + chunk_size].unsqueeze(0).to(device)
-        body(input_ids=chunk, past_key_values=cache, use_cache=True)
-        if progress:
-            progress(min(len(token_ids), start + chunk_size))
     keys, values, positions = [], [], []
     n = len(token_ids)
-    for layer in cache.layers:
-        k, v = layer.keys[0], layer.values[0]  # [kv_heads, n_l, d]; later updates make new tensors
-        keys.append(k)
-        values.append(v)
-        positions.append(torch.arange(n - k.shape[1], n, device=k.device))
     extra = torch.tensor(list(observed_ids or ()), dtype=torch.long)
-    for start in range(0, len(extra), chunk_size):
-        body(input_ids=extra[start : start + chunk_size].unsqueeze(0).to(device), past_key_values=cache,
-             use_cache=True)
+    # on CPU every chunk's attention is kvpack's own causal kernel: transformers' masks would go unread
+    with masks_unused() if device.type == "cpu" else contextlib.nullcontext():
+        for start in range(0, n, chunk_size):
+            chunk = ids[start : start + chunk_size].unsqueeze(0).to(device)
+            body(input_ids=chunk, past_key_values=cache, use_cache=True)
+            if progress:
+                progress(min(n, start + chunk_size))
+        for layer in cache.layers:
+            k, v = layer.keys[0], layer.values[0]  # [kv_heads, n_l, d]; later updates make new tensors
+            keys.append(k)
+            values.append(v)
+            positions.append(torch.arange(n - k.shape[1], n, device=k.device))
+        for start in range(0, len(extra), chunk_size):
+            body(input_ids=extra[start : start + chunk_size].unsqueeze(0).to(device), past_key_values=cache,
+                 use_cache=True)
     return Prefill(ids, sink, keys, values, positions, layout, spec, recorder)

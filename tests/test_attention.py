@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpack.attention import (_scored_attention_explicit, _scored_attention_flash, _scored_attention_fused,
+from kvpack.attention import (ATTN_IMPLEMENTATION, _scored_attention_explicit, _scored_attention_flash,
+                              _scored_attention_fused, masks_unused, register,
                               attention_with_lse, masked_attention, scored_attention_dense)
 
 
@@ -82,3 +83,24 @@ def test_attention_with_lse_matches_softmax(group, past):
     torch.testing.assert_close(lse, logits.logsumexp(-1), atol=1e-5, rtol=1e-5)
     ref = logits.softmax(-1) @ v.repeat_interleave(group, 1)
     torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+def test_masks_unused_only_inside_its_context():
+    """``kvpack.prefill`` skips transformers' masks on CPU (its attention never reads them); anywhere else the
+    ``"kvpack"`` mask function is SDPA's, which a chunk over earlier keys needs (its mask is not plain causal)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
+
+    register()
+    mask_fn = ALL_MASK_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION]
+    args = dict(batch_size=1, q_length=3, kv_length=5, q_offset=2, kv_offset=0, mask_function=causal_mask_function,
+                allow_is_causal_skip=False)  # a 3-token chunk after 2 cached tokens
+    outside = mask_fn(**args)
+    assert outside[0, 0].tolist() == [[True, True, True, False, False], [True, True, True, True, False],
+                                      [True, True, True, True, True]]
+    with masks_unused():
+        assert mask_fn(**args) is None
+        with pytest.raises(RuntimeError):
+            with masks_unused():
+                raise RuntimeError("boom")
+        assert mask_fn(**args) is None  # the inner context's exit restored the outer one
+    assert torch.equal(mask_fn(**args), outside)

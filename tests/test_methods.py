@@ -15,7 +15,7 @@ from kvpack.generation import question_input_ids
 from kvpack.layout import chat_layout
 from kvpack.methods import METHODS, get_method
 from kvpack.methods.base import SCOPES, Method, fit_budgets, split_evenly, top_k_rows
-from kvpack.methods.d2o import D2O, ema_thresholds, layer_variance, merge_evicted
+from kvpack.methods.d2o import D2O, ema_thresholds, layer_variance, merge_evicted, nearest_kept
 from kvpack.model import model_spec
 from kvpack.prefill import prefill
 
@@ -403,6 +403,27 @@ def test_ema_thresholds_match_the_recurrence(beta, monkeypatch):
     sims = torch.rand(11, generator=torch.Generator().manual_seed(1)) * 2 - 1
     torch.testing.assert_close(ema_thresholds(sims, beta), torch.tensor(_ema_loop(sims.tolist(), beta),
                                                                           dtype=torch.float64))
+
+
+@pytest.mark.parametrize("kept", [1, 63, 64, 65, 200])
+def test_nearest_kept_is_the_first_argmax_of_the_cosine_similarities(kept):
+    """The two-stage argmax equals ``max(dim=1)`` of the similarity matrix, ties to the first index included
+    (duplicated kept keys make exact ties, in the same group, across groups and in the partial last group)."""
+    g = torch.Generator().manual_seed(kept)
+    kept_k = torch.randn(kept, 16, generator=g)
+    if kept > 1:
+        kept_k[kept - 1] = kept_k[0]  # a copy: exactly the same similarity as entry 0
+    if kept > 64:
+        kept_k[64] = kept_k[5]
+    ev_k = torch.randn(300, 16, generator=g)
+    ev_k[:20] = kept_k[(torch.arange(20) * 5) % kept]  # the most similar to a kept key and to its copies
+    sims, nearest = nearest_kept(ev_k, kept_k)
+    ref = (torch.nn.functional.normalize(ev_k, dim=-1) @ torch.nn.functional.normalize(kept_k, dim=-1).T).max(dim=1)
+    torch.testing.assert_close(sims, ref.values)
+    assert torch.equal(nearest, ref.indices)
+    if kept > 1:
+        assert int((nearest == kept - 1).sum()) == 0  # the copy of entry 0 never wins: entry 0 comes first
+        assert int((nearest == 0).sum()) >= 1
 
 
 def test_merge_arithmetic_on_hand_built_tensors():

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Callable, ClassVar
 
+import numpy as np
 import torch
 
 from ..errors import InputError
@@ -163,22 +164,24 @@ def fit_budgets(weights: torch.Tensor, total: int, low: torch.Tensor, high: torc
     Raises:
         ValueError: the bounds cannot hold ``total``.
     """
-    w = weights.detach().double().cpu().clamp_min(0)
-    lo, hi = low.double().cpu(), high.double().cpu()
+    w = weights.detach().double().cpu().clamp_min(0).numpy()
+    lo, hi = low.cpu().double().numpy(), high.cpu().double().numpy()
     if not (lo.sum() <= total <= hi.sum()) or bool((lo > hi).any()):
         raise ValueError(f"budgets in [{low.tolist()}, {high.tolist()}] cannot sum to {total}")
     if not bool((w > 0).any()):
-        w = torch.ones_like(w)
-    a, b = 0.0, float((hi / w.clamp_min(1e-300)).max()) + 1.0
+        w = np.ones_like(w)
+    a, b = 0.0, float((hi / np.maximum(w, 1e-300)).max()) + 1.0
     for _ in range(200):  # sum(clamp(c * w)) is non-decreasing in c
         c = (a + b) / 2
-        if float(torch.minimum(torch.maximum(c * w, lo), hi).sum()) < total:
+        if c in (a, b):  # the interval is down to adjacent floats
+            break
+        if float(np.clip(c * w, lo, hi).sum()) < total:
             a = c
         else:
             b = c
-    x = torch.minimum(torch.maximum(b * w, lo), hi)
-    out = torch.minimum(torch.maximum(x.floor(), lo), hi).long()
-    order = torch.sort(x - x.floor(), descending=True, stable=True).indices.tolist()
+    x = np.clip(b * w, lo, hi)
+    out = torch.from_numpy(np.clip(np.floor(x), lo, hi)).long()
+    order = torch.sort(torch.from_numpy(x - np.floor(x)), descending=True, stable=True).indices.tolist()
     low_l, high_l = low.tolist(), high.tolist()
     while int(out.sum()) != total:
         step = 1 if int(out.sum()) < total else -1

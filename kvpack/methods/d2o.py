@@ -4,6 +4,7 @@ applied once at prefill time ("prompt encoding"); the file stores the result."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, ClassVar
@@ -16,10 +17,12 @@ from ..prefill import Prefill
 from ..stats import AttentionRecorder
 from .base import Method, check_bool, check_float, check_int, context_stats, fit_budgets, top_k_rows
 
-__all__ = ["D2O", "layer_variance", "ema_thresholds", "merge_evicted"]
+__all__ = ["D2O", "layer_variance", "ema_thresholds", "merge_evicted", "nearest_kept"]
 
 #: Entries of one block of evicted x kept cosine similarities (64 MB of float32).
 SIM_BLOCK_ELEMENTS = 16 * 2**20
+#: Kept entries per column group of the two-stage argmax in ``nearest_kept``.
+ARGMAX_GROUP = 64
 #: Evicted tokens per step of the blocked EMA scan.
 EMA_BLOCK = 256
 
@@ -150,11 +153,7 @@ def ema_thresholds(sims: torch.Tensor, beta: float) -> torch.Tensor:
     if s.numel() == 0:
         return out
     b = min(EMA_BLOCK, s.numel())
-    t = torch.arange(b, dtype=torch.float64)
-    lag = t[:, None] - 1 - t[None, :]  # t - 1 - j
-    keep_rate = torch.tensor(1.0 - beta, dtype=torch.float64)
-    weights = torch.where(lag >= 0, beta * keep_rate.pow(lag.clamp_min(0)), torch.zeros((), dtype=torch.float64))
-    carry = keep_rate.pow(t)
+    weights, carry = _ema_weights(float(beta), b)
     tau = s.mean()
     for start in range(0, s.numel(), b):
         block = s[start : start + b]
@@ -162,6 +161,67 @@ def ema_thresholds(sims: torch.Tensor, beta: float) -> torch.Tensor:
         out[start : start + m] = carry[:m] * tau + weights[:m, :m] @ block
         tau = beta * block[-1] + (1.0 - beta) * out[start + m - 1]
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def _ema_weights(beta: float, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ema_thresholds``' block matrices, float64: ``weights[t, j] = beta (1 - beta)^(t-1-j)`` for ``j < t``
+    (else 0), ``[b, b]``, and ``carry[t] = (1 - beta)^t``, ``[b]``. Cached: the same for every head. Callers
+    must not modify them."""
+    t = torch.arange(b, dtype=torch.float64)
+    lag = t[:, None] - 1 - t[None, :]  # t - 1 - j
+    keep_rate = torch.tensor(1.0 - beta, dtype=torch.float64)
+    weights = torch.where(lag >= 0, beta * keep_rate.pow(lag.clamp_min(0)), torch.zeros((), dtype=torch.float64))
+    return weights, keep_rate.pow(t)
+
+
+def nearest_kept(evicted_keys: torch.Tensor, kept_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each evicted key's most similar kept key by cosine similarity (D2O's merge candidate, arXiv 2406.13035,
+    §3, token level).
+
+    Args:
+        evicted_keys: ``[e, head_dim]`` float32; kept_keys: ``[m, head_dim]`` float32, ``m >= 1``.
+
+    Returns:
+        ``(sims, nearest)``: ``[e]`` float32, the highest cosine similarity of each evicted key, and ``[e]``
+        int64, the first kept index reaching it (ties go to the lower index).
+
+    The similarities are one ``[e, m]`` product per block of evicted keys (``SIM_BLOCK_ELEMENTS``). The argmax is
+    taken in two stages, because ``max`` with indices over a long row is several times slower than ``amax``: the
+    row's columns are cut into groups of ``ARGMAX_GROUP``, the first group holding the row maximum is found from
+    the groups' maxima, and the index is taken within that group (so the first index overall still wins ties).
+    """
+    kept_n = torch.nn.functional.normalize(kept_keys, dim=-1)
+    ev_n = torch.nn.functional.normalize(evicted_keys, dim=-1)
+    e, m = ev_n.shape[0], kept_n.shape[0]
+    sims = torch.empty(e)
+    nearest = torch.empty(e, dtype=torch.int64)
+    kept_t = kept_n.T.contiguous()
+    block = max(1, SIM_BLOCK_ELEMENTS // max(1, m))
+    for s in range(0, e, block):
+        sims[s : s + block], nearest[s : s + block] = _row_argmax(ev_n[s : s + block] @ kept_t)
+    return sims, nearest
+
+
+def _row_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.max(dim=1)`` of a ``[rows, cols]`` float32 matrix (values, first index of the maximum), in two stages
+    (see ``nearest_kept``)."""
+    rows, cols = x.shape
+    g = ARGMAX_GROUP
+    whole = cols // g * g
+    if whole == 0:
+        best = x.max(dim=1)
+        return best.values, best.indices
+    grouped = x[:, :whole].view(rows, whole // g, g)
+    group_idx = grouped.amax(dim=2).max(dim=1).indices  # the first group holding the row maximum
+    inside = grouped.gather(1, group_idx.view(rows, 1, 1).expand(rows, 1, g)).squeeze(1).max(dim=1)
+    values, indices = inside.values, group_idx * g + inside.indices
+    if whole < cols:  # the last, partial group: it wins only when strictly greater (it comes last)
+        rest = x[:, whole:].max(dim=1)
+        better = rest.values > values
+        values = torch.where(better, rest.values, values)
+        indices = torch.where(better, rest.indices + whole, indices)
+    return values, indices
 
 
 def merge_evicted(kept_keys: torch.Tensor, kept_values: torch.Tensor, evicted_keys: torch.Tensor,
@@ -179,15 +239,8 @@ def merge_evicted(kept_keys: torch.Tensor, kept_values: torch.Tensor, evicted_ke
         ``(e k_c + sum_i exp(s_i) k_i) / (e + sum_i exp(s_i))`` over the merged entries ``i`` whose nearest kept
         entry (cosine similarity ``s_i``, the highest; ties to the first) is ``c``.
     """
-    kept_n = torch.nn.functional.normalize(kept_keys, dim=-1)
-    ev_n = torch.nn.functional.normalize(evicted_keys, dim=-1)
-    e, m = ev_n.shape[0], kept_n.shape[0]
-    sims = torch.empty(e)
-    nearest = torch.empty(e, dtype=torch.int64)
-    block = max(1, SIM_BLOCK_ELEMENTS // max(1, m))
-    for s in range(0, e, block):
-        best = (ev_n[s : s + block] @ kept_n.T).max(dim=1)
-        sims[s : s + block], nearest[s : s + block] = best.values, best.indices
+    m = kept_keys.shape[0]
+    sims, nearest = nearest_kept(evicted_keys, kept_keys)
     merged = sims.double() >= ema_thresholds(sims, beta)
     w = sims[merged].exp()
     target = nearest[merged]
