@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Callable
 
 import torch
@@ -29,7 +30,8 @@ DEFAULT_CHUNK_SIZE = 2048
 def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float = DEFAULT_RATIO,
              chunk_size: int = DEFAULT_CHUNK_SIZE, source_name: str = "<text>",
              progress: Callable[[int], None] | None = None, quant: str = C.QUANT_NONE,
-             group_size: int = C.DEFAULT_GROUP_SIZE, quant_layout: str = C.DEFAULT_QUANT_LAYOUT, **options) -> Pack:
+             group_size: int = C.DEFAULT_GROUP_SIZE, quant_layout: str = C.DEFAULT_QUANT_LAYOUT,
+             stage_seconds: dict[str, float] | None = None, **options) -> Pack:
     """Compress the KV cache of ``text`` for ``model`` (query-agnostic: any later question can be asked).
 
     The text is laid out as the start of a chat user turn (``kvpack.layout``); the template prefix is the
@@ -57,6 +59,9 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
             chosen from the context's own queries, recorded during the prefill; 8-bit group parameters) or
             ``"kivi"`` (versions 2-3: one width, float16 parameters, each head's last partial group in full
             precision).
+        stage_seconds: if given, filled with the wall-clock seconds of each stage (CUDA synchronised):
+            ``tokenize``, ``prefill`` (with the method's attention statistics), ``score``, ``select``,
+            ``gather_merge`` (gathering the kept entries, D2O's merge, the metadata) and ``quantize``.
         **options: the method's parameters (see its class docstring); a method with a ``chunk_size``
             parameter (KVzip) defaults it to ``chunk_size``.
 
@@ -81,9 +86,11 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
         check_quant_args(quant, group_size, spec.head_dim, spec.head_dim, allowed_group_sizes=C.GROUP_SIZES)
         if quant_layout not in C.QUANT_LAYOUTS:
             raise InputError(f"unknown quantization layout {quant_layout!r}; use one of {list(C.QUANT_LAYOUTS)}")
+    clock = _StageClock(stage_seconds, next(model.parameters()).device)
     layout = chat_layout(tokenizer)
     prefix_ids = layout.prefix_ids(tokenizer)
     context_ids = layout.encode(tokenizer, text)
+    clock.lap("tokenize")
     if not context_ids:
         raise InputError(f"{source_name}: the context has no tokens")
     token_ids = prefix_ids + context_ids
@@ -99,14 +106,38 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
     recorder, observed = prefill_recorder(scorer, spec, len(token_ids), device, tokenizer, layout, compressing,
                                           quant != C.QUANT_NONE and quant_layout == C.QUANT_LAYOUT_COMPACT)
     full = prefill(model, token_ids, len(prefix_ids), layout, spec, chunk_size, progress, recorder, observed)
+    clock.lap("prefill")
     if compressing:
         scores = scorer.score(model, tokenizer, full, progress)
+        clock.lap("score")
         keep = scorer.select(scores, ratio, full)
     else:
         keep = torch.ones(len(spec.compressed_layers), spec.num_kv_heads, full.context_tokens, dtype=torch.bool)
+    clock.lap("select")
     pack = assemble_pack(model, tokenizer, text, scorer, ratio, full, keep, source_name)
+    clock.lap("gather_merge")
     energy = recorder.mean_query_energy() if recorder is not None else None
-    return quantize_pack(pack, quant, group_size, quant_layout, energy)
+    pack = quantize_pack(pack, quant, group_size, quant_layout, energy)
+    clock.lap("quantize")
+    return pack
+
+
+class _StageClock:
+    """Writes the seconds since the previous lap into ``seconds[name]`` (nothing when ``seconds`` is None)."""
+
+    def __init__(self, seconds: dict[str, float] | None, device):
+        self.seconds = seconds
+        self.cuda = torch.device(device).type == "cuda"
+        self.last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        if self.seconds is None:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
+        self.last = now
 
 
 def prefill_recorder(scorer, spec, tokens: int, device, tokenizer, layout, compressing: bool, query_energy: bool

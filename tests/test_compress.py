@@ -79,3 +79,20 @@ def test_kvzip_repeat_prompts_follow_the_paper(monkeypatch):
     second = tok.decode(seen[1])
     assert second.startswith("\n\n" + tasks.repeat_from_prompt(tok.decode(ctx[22:30])))
     assert seen[1][-30:] == ctx[30:60]
+
+
+def test_stage_seconds_cover_the_build():
+    """``stage_seconds`` times every stage once, and the stages add up to no more than the whole build."""
+    import time
+
+    model, tok = tiny_model("llama")
+    stages: dict[str, float] = {}
+    t0 = time.perf_counter()
+    pack = kvpack.compress(model, tok, TEXT, method="d2o", ratio=0.3, chunk_size=32, stage_seconds=stages)
+    total = time.perf_counter() - t0
+    assert list(stages) == ["tokenize", "prefill", "score", "select", "gather_merge", "quantize"]
+    assert all(s > 0 for s in stages.values()) and sum(stages.values()) <= total
+    assert pack.metadata["stats"]["merge"]["merged"] > 0
+    none: dict[str, float] = {}
+    kvpack.compress(model, tok, TEXT, method="none", stage_seconds=none)  # nothing scored
+    assert "score" not in none and set(none) == set(stages) - {"score"}

@@ -4,7 +4,10 @@
 Plain prefill is one forward of the whole context into a ``DynamicCache`` (as ``bench_main_job.py``); a build is
 ``kvpack.compress`` (chunked prefill with the method's attention statistics, scoring, selection, gathering,
 merging). Runs are interleaved (prefill, then every method, repeated) in one process so machine noise hits every
-row alike; the table gives medians and the ratio to plain prefill, the number to quote in BENCHMARKS.md.
+row alike; the table gives medians and the ratio to plain prefill, the number to quote in BENCHMARKS.md. A second
+table splits each build into its stages (``kvpack.compress``'s ``stage_seconds``: tokenize, prefill with the
+method's attention statistics, score, select, gather + merge), medians in milliseconds, with the prefill's excess
+over plain prefill.
 
     python tools/bench_methods.py --tokens 4096 --ratio 0.3 --repeats 5
 """
@@ -55,8 +58,13 @@ def main() -> None:
     def prefill():
         return plain_prefill(model, ids)
 
+    stages: dict[str, dict[str, list[float]]] = {m: {} for m in methods}
+
     def build(method):
-        return kvpack.compress(model, tok, text, method=method, ratio=args.ratio, chunk_size=args.chunk_size)
+        seconds: dict[str, float] = {}
+        pack = kvpack.compress(model, tok, text, method=method, ratio=args.ratio, chunk_size=args.chunk_size,
+                               stage_seconds=seconds)
+        return pack, seconds
 
     attention = causal_attention_alone(model, ids.shape[1])
     rows: dict[str, list[float]] = {"prefill": [], "attention": [], **{m: [] for m in methods}}
@@ -68,10 +76,12 @@ def main() -> None:
             rows["prefill"].append(t)
             rows["attention"].append(timed(attention)[0])
         for m in methods:
-            t, pack = timed(lambda: build(m))
+            t, (pack, seconds) = timed(lambda: build(m))
             kept[m] = pack.metadata["stats"]["context_entries_kept"]
             if record:
                 rows[m].append(t)
+                for stage, sec in seconds.items():
+                    stages[m].setdefault(stage, []).append(sec)
     med = {k: statistics.median(v) for k, v in rows.items()}
     base = med["prefill"]
     print(f"model {getattr(model, 'kvpack_name', '?')} on {model.device}, {ids.shape[1]} tokens, ratio {args.ratio}, "
@@ -83,6 +93,14 @@ def main() -> None:
     for m in methods:
         flag = " (target <= 1.1x)" if m in TARGET_1_1 else ""
         print(f"| {m} | {med[m]:.4f} | {med[m] / base:.3f}x{flag} | {kept[m]:,} |")
+    names = ["tokenize", "prefill", "score", "select", "gather_merge", "quantize"]
+    print()
+    print("| build (median ms) | " + " | ".join(names) + " | prefill - plain prefill |")
+    print("|---|" + "---|" * (len(names) + 1))
+    for m in methods:
+        cells = [f"{statistics.median(stages[m][n]) * 1e3:.1f}" if n in stages[m] else "-" for n in names]
+        excess = (statistics.median(stages[m]["prefill"]) - base) * 1e3
+        print(f"| {m} | " + " | ".join(cells) + f" | {excess:+.1f} |")
 
 
 if __name__ == "__main__":
