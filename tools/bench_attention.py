@@ -14,6 +14,11 @@ Random float32 queries, keys and values of the model's shape (query heads, KV he
   ``flash + scores``: two flash calls and one more product for the max-probability scores
   (``kvpack.attention._scored_attention_flash``);
   ``one pass``: output and scores from the same blocked probabilities (``kvpack.stats.one_pass_attention``).
+* D2O's merge search for one KV head (``round((1 - ratio) x tokens)`` evicted keys against the
+  ``round(ratio x tokens)`` kept ones, cosine similarity): the similarity product alone (with its GFLOP/s), the
+  product with ``max(dim=1)``, and ``kvpack.methods.d2o.nearest_kept`` (product and two-stage argmax).
+
+``--threads`` sets torch's thread count (default: torch's own).
 
 Runs are interleaved, ``--repeats`` times; the table gives medians and each path's ratio to its baseline.
 
@@ -34,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpack  # noqa: E402
 from kvpack.attention import _scored_attention_flash, attention_with_lse  # noqa: E402
 from kvpack.model import model_spec  # noqa: E402
+from kvpack.methods.d2o import nearest_kept  # noqa: E402
 from kvpack.stats import attention_with_column_sums, column_sums, one_pass_attention  # noqa: E402
 
 
@@ -44,8 +50,12 @@ def main() -> None:
     ap.add_argument("--chunk-size", type=int, default=2048)
     ap.add_argument("--repeat-extra", type=int, default=20, help="repeat-input tokens beyond the chunk's own")
     ap.add_argument("--sink", type=int, default=5, help="attention-sink entries the repeat pass also sees")
+    ap.add_argument("--ratio", type=float, default=0.3, help="D2O merge search: fraction of the context kept")
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     model, _ = kvpack.load_model(args.model, device="cpu")
     spec = model_spec(model)
@@ -79,11 +89,29 @@ def main() -> None:
     def repeat_one_pass():
         one_pass_attention(q_rep, k_rep, v_rep, scaling, max_scores=torch.zeros(kv_heads, past))
 
+    kept_n = round(args.ratio * args.tokens)
+    evicted_k = torch.randn(args.tokens - kept_n, dim)
+    kept_k = torch.randn(kept_n, dim)
+    unit_e = torch.nn.functional.normalize(evicted_k, dim=-1)
+    unit_k = torch.nn.functional.normalize(kept_k, dim=-1).T.contiguous()
+
+    def merge_product():
+        unit_e @ unit_k
+
+    def merge_max():
+        (unit_e @ unit_k).max(dim=1)
+
+    def merge_nearest():
+        nearest_kept(evicted_k, kept_k)
+
     rows = {"prefill: flash (output + log-sum-exp)": prefill_flash,
             "prefill: flash + transposed flash (column sums)": prefill_two_flash,
             "prefill: one pass (output + column sums)": prefill_one_pass,
             "KVzip repeat: flash + score product": repeat_flash,
-            "KVzip repeat: one pass (output + scores)": repeat_one_pass}
+            "KVzip repeat: one pass (output + scores)": repeat_one_pass,
+            "D2O merge search: similarity product alone": merge_product,
+            "D2O merge search: product + max(dim=1)": merge_max,
+            "D2O merge search: nearest_kept (two-stage argmax)": merge_nearest}
     times = {name: [] for name in rows}
     with torch.inference_mode():
         for fn in rows.values():
@@ -96,12 +124,18 @@ def main() -> None:
     med = {name: statistics.median(v) for name, v in times.items()}
     print(f"one layer of {getattr(model, 'kvpack_name', args.model)}: {heads} query / {kv_heads} KV heads, head_dim "
           f"{dim}, float32, {torch.get_num_threads()} torch threads; prefill {args.tokens} tokens in chunks of "
-          f"{args.chunk_size}; repeat {q_len} queries over {past} entries + their own; medians of {args.repeats}")
+          f"{args.chunk_size}; repeat {q_len} queries over {past} entries + their own; D2O merge search "
+          f"{args.tokens - kept_n} evicted x {kept_n} kept keys (one KV head); medians of {args.repeats}")
     print("| path | median ms | ratio |")
     print("|---|---|---|")
+    baselines = {"prefill": "prefill: flash (output + log-sum-exp)", "KVzip": "KVzip repeat: flash + score product",
+                 "D2O": "D2O merge search: similarity product alone"}
     for name in rows:
-        base = med[next(iter(rows))] if name.startswith("prefill") else med["KVzip repeat: flash + score product"]
-        print(f"| {name} | {med[name] * 1e3:.1f} | {med[name] / base:.2f}x |")
+        base = med[baselines[name.split(" ")[0].rstrip(":")]]
+        print(f"| {name} | {med[name] * 1e3:.2f} | {med[name] / base:.2f}x |")
+    flops = 2 * (args.tokens - kept_n) * kept_n * dim
+    print(f"similarity product: {flops / 1e6:.0f} MFLOP in {med['D2O merge search: similarity product alone'] * 1e3:.2f} ms"
+          f" = {flops / med['D2O merge search: similarity product alone'] / 1e9:.0f} GFLOP/s")
 
 
 if __name__ == "__main__":
