@@ -86,7 +86,8 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
         check_quant_args(quant, group_size, spec.head_dim, spec.head_dim, allowed_group_sizes=C.GROUP_SIZES)
         if quant_layout not in C.QUANT_LAYOUTS:
             raise InputError(f"unknown quantization layout {quant_layout!r}; use one of {list(C.QUANT_LAYOUTS)}")
-    clock = _StageClock(stage_seconds, next(model.parameters()).device)
+    device = next(model.parameters()).device
+    clock = _StageClock(stage_seconds, device)
     layout = chat_layout(tokenizer)
     prefix_ids = layout.prefix_ids(tokenizer)
     context_ids = layout.encode(tokenizer, text)
@@ -102,7 +103,6 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
         raise InputError(f"{source_name}: {len(token_ids)} tokens exceed the model's {spec.sliding_window}-token "
                          "sliding window, which every layer uses; split the document")
     compressing = ratio < 1.0
-    device = next(model.parameters()).device
     recorder, observed = prefill_recorder(scorer, spec, len(token_ids), device, tokenizer, layout, compressing,
                                           quant != C.QUANT_NONE and quant_layout == C.QUANT_LAYOUT_COMPACT)
     full = prefill(model, token_ids, len(prefix_ids), layout, spec, chunk_size, progress, recorder, observed)

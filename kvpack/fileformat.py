@@ -1131,11 +1131,9 @@ def _stacked_index_problem(tensors: dict[str, TensorInfo], quant_type: str, grou
     d, dv = tensors[C.KEYS].shape[1], tensors[C.VALUES].shape[1]
     if min(d, dv) < 1:
         return f"head_dim/head_dim_v {[d, dv]} must be at least 1"
-    spec = C.QUANT_TYPES[quant_type]
-    gv = value_group_size(group_size, dv)
-    if (d * spec.bits) % 8 or dv % spec.codes_per_byte or dv % gv:
-        return (f"head_dim {d} / head_dim_v {dv} cannot be {quant_type}-quantized with group size {group_size} "
-                f"(need whole bytes per row, and multiples of {gv} for head_dim_v)")
+    problem = _compact_dims_problem(quant_type, group_size, d, dv)
+    if problem:
+        return problem
     codes, params = tensors.get(C.KEY_CODES), tensors.get(C.KEY_PARAMS)
     rows = codes.shape[0] if codes is not None and len(codes.shape) == 2 else 0
     groups = params.shape[1] if params is not None and len(params.shape) == 3 else 0
@@ -1193,16 +1191,25 @@ def _parts_problem(tensors: dict[str, TensorInfo], l: int, want: dict[str, tuple
     return None
 
 
-def _compact_index_problem(tensors: dict[str, TensorInfo], l: int, quant_type: str, group_size: int,
-                           dims: tuple[int, int]) -> str | None:
-    """Why layer ``l``'s compact-layout tensors have wrong dtypes or shapes as far as the header tells (the key
-    groups and the widths' values are checked with the data: ``_checked_split``, ``compact_problem``), or None."""
+def _compact_dims_problem(quant_type: str, group_size: int, d: int, dv: int) -> str | None:
+    """Why head sizes ``d`` (keys) and ``dv`` (values) cannot hold the compact layout's ``quant_type`` codes with
+    ``group_size`` (whole bytes per key row, whole value groups and code bytes per value row), or None."""
     spec = C.QUANT_TYPES[quant_type]
-    d, dv = dims
     gv = value_group_size(group_size, dv)
     if (d * spec.bits) % 8 or dv % spec.codes_per_byte or dv % gv:
         return (f"head_dim {d} / head_dim_v {dv} cannot be {quant_type}-quantized with group size {group_size} "
                 f"(need whole bytes per row, and multiples of {gv} for head_dim_v)")
+    return None
+
+
+def _compact_index_problem(tensors: dict[str, TensorInfo], l: int, quant_type: str, group_size: int,
+                           dims: tuple[int, int]) -> str | None:
+    """Why layer ``l``'s compact-layout tensors have wrong dtypes or shapes as far as the header tells (the key
+    groups and the widths' values are checked with the data: ``_checked_split``, ``compact_problem``), or None."""
+    d, dv = dims
+    problem = _compact_dims_problem(quant_type, group_size, d, dv)
+    if problem:
+        return problem
     codes = tensors.get(C.layer_tensor_name(l, C.KEY_CODES))
     rows = codes.shape[0] if codes is not None and len(codes.shape) == 2 else 0
     params = tensors.get(C.layer_tensor_name(l, C.KEY_PARAMS))

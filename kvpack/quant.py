@@ -516,7 +516,7 @@ def quantize_pack(pack: Pack, qtype: str, group_size: int = C.DEFAULT_GROUP_SIZE
         pack: an unquantized pack (``kvpack.compress`` output).
         qtype: ``"int8"`` or ``"int4"`` (``"none"`` returns ``pack`` unchanged).
         group_size: ``G``, one of ``constants.GROUP_SIZES`` for packs meant to be shared (any ``G`` >= 1 works).
-        layout: ``"compact"`` (default, format version 4) or ``"kivi"`` (versions 2-3).
+        layout: ``"compact"`` (default; format versions 4-5, written as 5) or ``"kivi"`` (versions 2-3).
         query_energy: compact only: per layer ``[kv_heads, head_dim]`` mean squared queries (``kvpack.compress``
             records them during the prefill), for per-channel key code widths; ``None``: one width.
 

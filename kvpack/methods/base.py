@@ -180,17 +180,16 @@ def fit_budgets(weights: torch.Tensor, total: int, low: torch.Tensor, high: torc
         else:
             b = c
     x = np.clip(b * w, lo, hi)
-    out = torch.from_numpy(np.clip(np.floor(x), lo, hi)).long()
-    order = torch.sort(torch.from_numpy(x - np.floor(x)), descending=True, stable=True).indices.tolist()
-    low_l, high_l = low.tolist(), high.tolist()
+    out = np.clip(np.floor(x), lo, hi).astype(np.int64)
+    order = np.argsort(np.floor(x) - x, kind="stable")  # largest fractional part first, ties by index
     while int(out.sum()) != total:
         step = 1 if int(out.sum()) < total else -1
-        for i in order if step > 0 else reversed(order):
+        for i in order if step > 0 else order[::-1]:
             if int(out.sum()) == total:
                 break
-            if (step > 0 and out[i] < high_l[i]) or (step < 0 and out[i] > low_l[i]):
+            if (step > 0 and out[i] < hi[i]) or (step < 0 and out[i] > lo[i]):
                 out[i] += step
-    return out
+    return torch.from_numpy(out)
 
 
 def top_k_rows(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
