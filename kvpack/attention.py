@@ -305,7 +305,7 @@ def masks_unused():
         _MASKS_UNUSED.reset(token)
 
 
-def kvpack_mask(*args, **kwargs):
+def _kvpack_mask(*args, **kwargs):
     """The mask function registered as ``"kvpack"``: transformers' ``sdpa_mask``, or ``None`` inside
     ``masks_unused``."""
     if _MASKS_UNUSED.get():
@@ -324,7 +324,7 @@ def register() -> None:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, kvpack_attention_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, kvpack_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, _kvpack_mask)
     _registered = True
 
 

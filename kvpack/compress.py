@@ -70,7 +70,8 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
 
     Raises:
         InputError: empty text, ratio outside (0, 1], chunk_size < 1, unknown method or option, unknown quant,
-            group size not in (32, 64, 128) or not fitting the head size, unknown quant layout.
+            group size not in (32, 64, 128) or not fitting the head size, unknown quant layout, ``stage_seconds``
+            not a dict.
         UnsupportedModelError: the model's architecture is not supported.
     """
     if not isinstance(text, str) or not text.strip():
@@ -79,6 +80,8 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
         raise InputError(f"ratio must be in (0, 1] (the fraction of KV entries kept), got {ratio!r}")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise InputError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}")
+    if stage_seconds is not None and not isinstance(stage_seconds, dict):
+        raise InputError(f"stage_seconds must be a dict to fill in (or None), got {type(stage_seconds).__name__}")
     scorer = get_method(method, {"chunk_size": chunk_size}, **options)
     ratio = scorer.kept_ratio(ratio)
     spec = model_spec(model)

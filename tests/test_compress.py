@@ -18,7 +18,8 @@ from .tiny import TEXT, tiny_model
 
 
 @pytest.mark.parametrize("kwargs", [dict(ratio=0.0), dict(ratio=1.5), dict(ratio="0.3"), dict(chunk_size=0),
-                                    dict(method="nope"), dict(tail_tokens="x", ratio=0.5)])
+                                    dict(method="nope"), dict(tail_tokens="x", ratio=0.5),
+                                    dict(stage_seconds=[])])
 def test_bad_arguments_raise_input_error(kwargs):
     model, tok = tiny_model("llama")
     with pytest.raises(InputError):

@@ -54,7 +54,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = ap.parse_args()
-    if args.threads:
+    if args.threads is not None:
+        if args.threads < 1:
+            ap.error(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
 
     model, _ = kvpack.load_model(args.model, device="cpu")

@@ -190,6 +190,7 @@ def nearest_kept(evicted_keys: torch.Tensor, kept_keys: torch.Tensor) -> tuple[t
     taken in two stages, because ``max`` with indices over a long row is several times slower than ``amax``: the
     row's columns are cut into groups of ``ARGMAX_GROUP``, the first group holding the row maximum is found from
     the groups' maxima, and the index is taken within that group (so the first index overall still wins ties).
+    No errors beyond torch's for mismatched head sizes.
     """
     kept_n = torch.nn.functional.normalize(kept_keys, dim=-1)
     ev_n = torch.nn.functional.normalize(evicted_keys, dim=-1)
