@@ -11,7 +11,7 @@ usage errors (bad options) keep click's status 2.
 
 from __future__ import annotations
 
-import functools
+import json
 import sys
 from pathlib import Path
 
@@ -19,8 +19,8 @@ import click
 
 from . import __version__
 from . import constants as C
-from .build import build as build_packs
-from .build import check_compatible, check_pack, default_out_dir, discover_contexts
+from .build import build_settings, check_compatible, check_pack, default_out_dir, discover_contexts, plan_build, run_build
+from .build import summary as build_summary
 from .compress import DEFAULT_CHUNK_SIZE, DEFAULT_RATIO
 from .errors import InputError, KvpackError
 from .fileformat import load_pack, read_header
@@ -28,7 +28,7 @@ from .generation import generate
 from .loading import cache_from_pack
 from .methods import METHODS
 from .methods.base import SCOPES
-from .model import load_model
+from .model import load_model, model_identity
 
 __all__ = ["cli", "main"]
 
@@ -54,6 +54,18 @@ def _model_options(f):
     f = click.option("--device", type=click.Choice(_DEVICES), default="auto", show_default=True,
                      help="Where to run the model (auto: CUDA when available).")(f)
     return f
+
+
+def _threads_option(f):
+    return click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
+                        help="torch CPU threads (0: torch's default, which follows OMP_NUM_THREADS).")(f)
+
+
+def _set_threads(threads: int) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def _load(model: str | None, device: str, dtype: str):
@@ -140,35 +152,67 @@ def _method_params(method: str, given: dict) -> dict:
                    "(cryptographic; files readable by kvpack 0.1: v1 with --quant none --zstd-level 0, else v2).")
 @click.option("--overwrite", is_flag=True, help="Rebuild packs that are already up to date (a pack built with other "
                                                 "settings is always rebuilt and replaced).")
+@click.option("--split", is_flag=True, help="Cut a context longer than the model allows at paragraph boundaries into "
+                                            "parts NAME.part-001.kvpack, ... [default: skip it as failed].")
+@click.option("--fail-fast", is_flag=True, help="Stop at the first context that cannot be built [default: record it "
+                                                "and build the others].")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout (progress stays on stderr).")
+@_threads_option
 @_method_options
 def build(inputs, model_name, method, ratio, out_dir, device, dtype, chunk_size, quant, group_size, zstd_level,
-          checksum, overwrite, **method_options):
-    """Compress each document in INPUT... into <name>.kvpack.
+          checksum, overwrite, split, fail_fast, as_json, threads, **method_options):
+    """Compress each document in INPUT... into a .kvpack file; --out mirrors the input tree.
 
-    INPUT is .txt/.md files (one document each, named after the file), .jsonl files (one document per line:
-    {"id": ..., "text": ...}, named <file>-<id> or <file>-<line>) or folders of them, walked recursively.
-    Packs that are already up to date (same text, method, parameters, ratio, quantization, zstd level, checksum and
-    model) are skipped.
+    INPUT is .txt/.md files (one document each: a/notes.txt -> OUT/a/notes.kvpack), .jsonl files (one document
+    per line, {"id": ..., "text": ...}: data.jsonl -> OUT/data/<id>.kvpack) or folders of them, walked recursively.
+    Packs already up to date (same text, method, parameters, ratio, quantization, zstd level, checksum and model)
+    are kept; OUT/kvpack-manifest.jsonl records every pack. A document that cannot be built (empty, binary, not
+    UTF-8, too long) is reported and the others are built; the exit status is then 1 (130 when interrupted).
     The method options below apply to the methods named in their help; giving one to another method is an error.
     """
-    from tqdm import tqdm
-
     options = _method_params(method, method_options)
+    settings = build_settings(method=method, ratio=ratio, chunk_size=chunk_size, quant=quant,
+                              group_size=int(group_size), zstd_level=zstd_level, checksum=checksum, **options)
     contexts = discover_contexts(inputs)
     out = Path(out_dir) if out_dir is not None else default_out_dir(inputs)
-    model, tokenizer = _load(model_name, device, dtype)
-    bar = functools.partial(tqdm, unit="tok", unit_scale=True, desc="compressing",
-                            file=sys.stderr, dynamic_ncols=True)
-    results = build_packs(contexts, model, tokenizer, out_dir=out, method=method, ratio=ratio,
-                          chunk_size=chunk_size, overwrite=overwrite, progress_factory=bar, quant=quant,
-                          group_size=int(group_size), zstd_level=zstd_level, checksum=checksum, **options)
-    rows = [(r.name, f"{r.tokens:,}", f"{r.entries_kept:,}", f"{r.bytes_written:,}", f"{r.seconds:.2f}",
-             "skipped (up to date)" if r.skipped else "built") for r in results]
-    click.echo(_table(("context", "tokens", "entries kept", "bytes", "seconds", "status"), rows,
-                      right=(1, 2, 3, 4)))
-    built = [r for r in results if not r.skipped]
-    click.echo(f"{len(results)} packs in {out}: {len(built)} built, {len(results) - len(built)} skipped; "
-               f"{sum(r.bytes_written for r in built):,} bytes written in {sum(r.seconds for r in results):.1f} s")
+    model_id = model_identity(model_name, device=device, dtype=dtype)  # checks --model before anything loads
+    plan = plan_build(contexts, out, settings, model_id=model_id, overwrite=overwrite)
+    _set_threads(threads)
+    model = tokenizer = None
+    results, interrupted = [], False
+    try:
+        if plan.needs_model:
+            model, tokenizer = _load(model_name, device, dtype)
+        for r in run_build(plan, model, tokenizer, split=split, fail_fast=fail_fast, progress_factory=_bar):
+            results.append(r)
+    except KeyboardInterrupt:
+        interrupted = True
+    report = build_summary(results, out, interrupted=interrupted)
+    if as_json:
+        click.echo(json.dumps(report, ensure_ascii=False, indent=1))
+    else:
+        rows = [(r.name, f"{r.tokens:,}", f"{r.entries_kept:,}", f"{r.bytes_written:,}", f"{r.seconds:.2f}",
+                 r.status.replace("_", " ")) for r in results]
+        if rows:
+            click.echo(_table(("pack", "tokens", "entries kept", "bytes", "seconds", "status"), rows,
+                              right=(1, 2, 3, 4)))
+        for r in results:
+            if r.status == "failed":
+                click.echo(f"failed: {r.source}{f':{r.line}' if r.line else ''}: {r.error}")
+        click.echo(f"{len(results)} packs in {out}: {report['built']} built, {report['up_to_date']} up to date, "
+                   f"{report['replaced']} replaced, {report['failed']} failed; {report['bytes_written']:,} bytes "
+                   f"written in {report['seconds']:.1f} s" + ("; interrupted" if interrupted else ""))
+    if interrupted:
+        click.echo("interrupted: the packs listed are written; run the same command again to resume", err=True)
+        sys.exit(130)
+    if report["failed"]:
+        sys.exit(1)
+
+
+def _bar(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="tok", unit_scale=True, desc="compressing", file=sys.stderr, dynamic_ncols=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from .prefill import prefill
 from .stats import AttentionRecorder
 from .quant import check_quant_args, quantize_pack
 
-__all__ = ["compress", "assemble_pack", "prefill_recorder", "DEFAULT_RATIO", "DEFAULT_CHUNK_SIZE"]
+__all__ = ["compress", "assemble_pack", "prefill_recorder", "max_context_tokens", "DEFAULT_RATIO",
+           "DEFAULT_CHUNK_SIZE"]
 
 DEFAULT_RATIO = 0.3
 DEFAULT_CHUNK_SIZE = 2048
@@ -93,18 +94,15 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
     clock = _StageClock(stage_seconds, device)
     layout = chat_layout(tokenizer)
     prefix_ids = layout.prefix_ids(tokenizer)
-    context_ids = layout.encode(tokenizer, text)
+    context_ids = layout.encode_text(tokenizer, text)
     clock.lap("tokenize")
     if not context_ids:
         raise InputError(f"{source_name}: the context has no tokens")
     token_ids = prefix_ids + context_ids
-    max_pos = getattr(model.config, "max_position_embeddings", None)
-    if max_pos and len(token_ids) + 256 > max_pos:
+    limit = max_context_tokens(model)
+    if limit is not None and len(token_ids) > limit:
         raise InputError(f"{source_name}: {len(token_ids)} tokens is too long for this model "
-                         f"(max_position_embeddings={max_pos}, leaving 256 for questions); split the document")
-    if spec.sliding_window and not spec.sliding_layers and len(token_ids) >= spec.sliding_window:
-        raise InputError(f"{source_name}: {len(token_ids)} tokens exceed the model's {spec.sliding_window}-token "
-                         "sliding window, which every layer uses; split the document")
+                         f"({_limit_reason(model)}); split the document (`kvpack build --split`)")
     compressing = ratio < 1.0
     recorder, observed = prefill_recorder(scorer, spec, len(token_ids), device, tokenizer, layout, compressing,
                                           quant != C.QUANT_NONE and quant_layout == C.QUANT_LAYOUT_COMPACT)
@@ -123,6 +121,32 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
     pack = quantize_pack(pack, quant, group_size, quant_layout, energy)
     clock.lap("quantize")
     return pack
+
+
+#: Positions ``max_context_tokens`` leaves free after a context for questions and answers.
+QUESTION_ROOM = 256
+
+
+def max_context_tokens(model) -> int | None:
+    """The longest cached sequence (chat-template prefix + context, in tokens) ``compress`` accepts for ``model``:
+    ``max_position_embeddings - 256`` (room for questions), and below the sliding window when every layer slides;
+    ``None`` when the config sets no limit. Raises ``UnsupportedModelError`` for unsupported models."""
+    spec = model_spec(model)
+    limits = []
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos:
+        limits.append(max_pos - QUESTION_ROOM)
+    if spec.sliding_window and not spec.sliding_layers:
+        limits.append(spec.sliding_window - 1)
+    return min(limits) if limits else None
+
+
+def _limit_reason(model) -> str:
+    spec = model_spec(model)
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if spec.sliding_window and not spec.sliding_layers and (not max_pos or spec.sliding_window - 1 < max_pos - QUESTION_ROOM):
+        return f"at most {spec.sliding_window - 1}: the {spec.sliding_window}-token sliding window every layer uses"
+    return f"at most {max_pos - QUESTION_ROOM}: max_position_embeddings={max_pos}, leaving {QUESTION_ROOM} for questions"
 
 
 class _StageClock:

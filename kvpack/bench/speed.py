@@ -114,7 +114,7 @@ def measure_speed(model, tokenizer, text: str, methods: list[str], ratio: float,
         except ``load_speedup_vs_prefill`` = prefill / load).
     """
     layout = chat_layout(tokenizer)
-    ids = torch.tensor([layout.prefix_ids(tokenizer) + layout.encode(tokenizer, text)], device=model.device)
+    ids = torch.tensor([layout.prefix_ids(tokenizer) + layout.encode_text(tokenizer, text)], device=model.device)
     tokens = int(ids.shape[1])
     rows: dict[str, list[float]] = {"prefill": []}
     build = {m: [] for m in methods}
