@@ -13,22 +13,24 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import click
 
 from . import __version__
 from . import constants as C
-from .build import build_settings, check_compatible, check_pack, default_out_dir, discover_contexts, plan_build, run_build
+from .build import build_settings, check_compatible, default_out_dir, discover_contexts, plan_build, run_build
 from .build import summary as build_summary
 from .compress import DEFAULT_CHUNK_SIZE, DEFAULT_RATIO
 from .errors import InputError, KvpackError
 from .fileformat import load_pack, read_header
-from .generation import generate
+from .generation import answer
+from .listing import describe_pack, list_packs, verify_report
 from .loading import cache_from_pack
 from .methods import METHODS
 from .methods.base import SCOPES
-from .model import load_model, model_identity
+from .model import REFERENCE_MODEL_NAME, load_model, model_for_pack, model_identity
 
 __all__ = ["cli", "main"]
 
@@ -220,9 +222,37 @@ def _bar(total: int):
 
 
 @cli.command()
-@click.argument("file", type=click.Path(dir_okay=False))
-def info(file):
-    """Describe a .kvpack file: model, method, sizes, entries kept per layer."""
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False), metavar="FILE...")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per file (a list) instead of tables.")
+def info(files, as_json):
+    """Describe .kvpack files: model, method, sizes, entries kept per layer.
+
+    With several files, a bad one is reported (error: ...) and the others are described; the exit status is then 1.
+    """
+    if len(files) == 1 and not as_json:
+        _print_info(files[0])
+        return
+    rows, failed = [], False
+    for i, file in enumerate(files):
+        try:
+            if as_json:
+                load_pack(file)  # validates the whole file
+                rows.append({**describe_pack(file), "error": None})
+            else:
+                click.echo(("\n" if i else "") + f"== {file}")
+                _print_info(file)
+        except KvpackError as exc:
+            failed = True
+            rows.append({"file": str(file), "error": str(exc)})
+            if not as_json:
+                click.echo(f"error: {exc}", err=True)
+    if as_json:
+        click.echo(json.dumps(rows, indent=1, ensure_ascii=False))
+    if failed:
+        sys.exit(1)
+
+
+def _print_info(file) -> None:
     pack = load_pack(file)  # validates the whole file
     header = read_header(file)
     meta = header.metadata
@@ -344,19 +374,65 @@ def _short(digest) -> str:
 
 
 @cli.command()
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False), metavar="FILE...")
 @click.option("--model", "model_name", default=None, metavar="NAME_OR_PATH",
-              help="Also check the pack fits this model (fingerprint and tokenizer).")
+              help="Also check the packs fit this model (fingerprint and tokenizer).")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON (a list, one object per file).")
 @_model_options
-def verify(file, model_name, device, dtype):
-    """Check a .kvpack file's integrity (and, with --model, that it fits the model)."""
-    header = check_pack(file)
-    click.echo(f"OK: {file} is intact (kvpack format v{header.format_version}, {header.file_bytes:,} bytes, "
-               "all checksums match)")
-    if model_name is not None:
+def verify(files, model_name, as_json, device, dtype):
+    """Check .kvpack files' integrity (and, with --model, that they fit the model); exit status 1 if any fails."""
+    reports = [verify_report(f) for f in files]
+    model = tokenizer = None
+    if model_name is not None and any(r["ok"] for r in reports):
         model, tokenizer = _load(model_name, device, dtype)
-        check_compatible(header, model, tokenizer, path=str(file))
-        click.echo(f"OK: {file} fits model {model_name} (architecture, weights and tokenizer match)")
+    for r in reports:
+        if r["ok"] and model is not None:
+            try:
+                check_compatible(read_header(r["file"]), model, tokenizer, path=r["file"])
+                r["fits_model"] = model_name
+            except KvpackError as exc:
+                r.update(ok=False, error=str(exc))
+        if as_json:
+            continue
+        if r["ok"]:
+            click.echo(f"OK: {r['file']} is intact (kvpack format v{r['format_version']}, {r['bytes']:,} bytes, "
+                       "all checksums match)")
+            if r.get("fits_model"):
+                click.echo(f"OK: {r['file']} fits model {model_name} (architecture, weights and tokenizer match)")
+        else:
+            click.echo(f"error: {r['error']}", err=True)
+    if as_json:
+        click.echo(json.dumps(reports, indent=1, ensure_ascii=False))
+    if not all(r["ok"] for r in reports):
+        sys.exit(1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ls
+
+
+@cli.command(name="ls")
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per pack (a list).")
+def ls(folder, as_json):
+    """List the packs under FOLDER (a build's --out): pack, source, method, ratio, tokens, bytes, model.
+
+    Only headers are read (fast); use verify to check every checksum.
+    """
+    rows = list_packs(folder)
+    if as_json:
+        click.echo(json.dumps(rows, indent=1, ensure_ascii=False))
+        return
+    table = [(r["pack"], (r["source"] or {}).get("name") or "?", r["method"] or "?",
+              f"{r['ratio']:g}" if isinstance(r["ratio"], (int, float)) else "?", f"{r['tokens']:,}",
+              f"{r['bytes']:,}", r["model"] or "?") if r["error"] is None
+             else (r["pack"], f"unreadable: {r['error']}", "", "", "", "", "") for r in rows]
+    if table:
+        click.echo(_table(("pack", "source", "method", "ratio", "tokens", "bytes", "model"), table,
+                          right=(3, 4, 5)))
+    ok = [r for r in rows if r["error"] is None]
+    click.echo(f"{len(rows)} packs in {folder}, {sum(r['bytes'] for r in ok):,} bytes"
+               + (f"; {len(rows) - len(ok)} unreadable" if len(ok) < len(rows) else ""))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -365,18 +441,55 @@ def verify(file, model_name, device, dtype):
 
 @cli.command()
 @click.argument("file", type=click.Path(dir_okay=False))
-@click.argument("question")
+@click.argument("questions", nargs=-1, required=True, metavar="QUESTION...")
 @click.option("--model", "model_name", default=None, metavar="NAME_OR_PATH",
-              help="The model the pack was built with [default: the embedded reference model].")
+              help="The model the pack was built with [default: the embedded reference model, when the pack was "
+                   "built with it].")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True,
               help="Longest answer, in tokens.")
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="0: greedy decoding; above 0: sample at this temperature.")
+@click.option("--seed", type=int, default=None, help="Seed for sampling (with --temperature).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object per answer (JSON lines) with tokens, seconds, tokens/s and load time.")
+@_threads_option
 @_model_options
-def ask(file, question, model_name, max_new_tokens, device, dtype):
-    """Answer QUESTION about the document compressed in FILE."""
+def ask(file, questions, model_name, max_new_tokens, temperature, seed, as_json, threads, device, dtype):
+    """Answer each QUESTION about the document compressed in FILE, from one load, printing each as answered.
+
+    A QUESTION of - reads questions from stdin, one per line (blank lines skipped).
+    """
+    t0 = time.perf_counter()
     pack = load_pack(file)
-    model, tokenizer = _load(model_name, device, dtype)
+    name = model_name if model_name is not None else model_for_pack(pack.metadata, where=str(file))
+    _set_threads(threads)
+    model, tokenizer = _load(name, device, dtype)
     cache = cache_from_pack(pack, model, tokenizer, where=str(file))
-    click.echo(generate(model, tokenizer, cache, question, max_new_tokens=max_new_tokens))
+    load_seconds = time.perf_counter() - t0
+    several = len(questions) > 1 or "-" in questions
+    for question in _questions(questions):
+        a = answer(model, tokenizer, cache, question, max_new_tokens=max_new_tokens, temperature=temperature,
+                   seed=seed)
+        if as_json:
+            click.echo(json.dumps({"question": question, "answer": a.text, "tokens": a.tokens,
+                                   "seconds": round(a.seconds, 4), "tokens_per_second": round(a.tokens_per_second, 2),
+                                   "load_seconds": round(load_seconds, 4), "model": name or REFERENCE_MODEL_NAME},
+                                  ensure_ascii=False))
+        elif several:
+            click.echo(f"Q: {question}\nA: {a.text}")
+        else:
+            click.echo(a.text)
+
+
+def _questions(given):
+    """The questions in order, ``-`` replaced by stdin's non-blank lines (read lazily, one at a time)."""
+    for q in given:
+        if q != "-":
+            yield q
+            continue
+        for line in click.get_text_stream("stdin"):
+            if line.strip():
+                yield line.strip()
 
 
 # ---------------------------------------------------------------------------------------------------------------

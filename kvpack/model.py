@@ -14,7 +14,8 @@ import torch
 
 from .errors import InputError, ModelLoadError, UnsupportedModelError
 
-__all__ = ["REFERENCE_MODEL_DIR", "REFERENCE_MODEL_NAME", "load_model", "model_path", "model_identity", "resolve_device",
+__all__ = ["REFERENCE_MODEL_DIR", "REFERENCE_MODEL_NAME", "load_model", "model_path", "model_identity",
+           "model_for_pack", "resolve_device",
            "resolve_dtype", "ModelSpec", "model_spec"]
 
 #: The embedded reference model shipped inside the package (see its MODEL_CARD.md).
@@ -163,6 +164,21 @@ def model_identity(name_or_path: str | os.PathLike | None, *, device=None, dtype
             files.append([f.relative_to(path).as_posix(), st.st_size, st.st_mtime_ns])
     digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()
     return {"name": name, "dtype": dt, "local": True, "files_sha256": digest}
+
+
+def model_for_pack(metadata: dict, *, where: str = "the pack") -> str | None:
+    """The model to load for a pack when none is named: ``None`` (the embedded reference model) when the pack was
+    built with it (its fingerprint's ``name`` is ``kvpack-reference``).
+
+    Raises:
+        InputError: the pack was built with another model; the message names it and says to pass ``--model``.
+    """
+    fp = metadata.get("fingerprint") if isinstance(metadata.get("fingerprint"), dict) else {}
+    name = fp.get("name")
+    if name in (None, "", REFERENCE_MODEL_NAME):
+        return None
+    raise InputError(f"{where} was built with model {name!r}, not the embedded reference model; pass --model with "
+                     "that model's folder (or hub id)")
 
 
 def _offline() -> bool:
