@@ -536,8 +536,7 @@ def _csv(kind, name):
               help="The kvpress virtual environment.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds every context and question.")
 @click.option("--device", type=click.Choice(_DEVICES), default="cpu", show_default=True, help="Where to run the model.")
-@click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
-              help="torch CPU threads (0: torch's default, which follows OMP_NUM_THREADS).")
+@_threads_option
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots (no matplotlib needed).")
 @click.pass_context
 def bench(ctx, methods, ratios, quants, lengths, trials, tasks, out_dir, quick, model_name, peer, peer_venv, seed,
@@ -565,8 +564,12 @@ def bench(ctx, methods, ratios, quants, lengths, trials, tasks, out_dir, quick, 
             else:
                 words += [flag, ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in value)
                           if isinstance(value, list) else str(value)]
-    run_bench(cfg, out_dir, command=" ".join(words), log=lambda m: click.echo(m, err=True))
+    results = run_bench(cfg, out_dir, command=" ".join(words), log=lambda m: click.echo(m, err=True))
     click.echo(f"results: {Path(out_dir) / 'results.md'}")
+    failures = results.get("failures") or {}
+    if failures:
+        raise KvpackError(f"{len(failures)} bench task(s) failed ({'; '.join(f'{k}: {v}' for k, v in failures.items())})"
+                          f"; see {Path(out_dir) / 'results.md'}")
 
 
 # ---------------------------------------------------------------------------------------------------------------

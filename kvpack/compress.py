@@ -131,22 +131,25 @@ def max_context_tokens(model) -> int | None:
     """The longest cached sequence (chat-template prefix + context, in tokens) ``compress`` accepts for ``model``:
     ``max_position_embeddings - 256`` (room for questions), and below the sliding window when every layer slides;
     ``None`` when the config sets no limit. Raises ``UnsupportedModelError`` for unsupported models."""
-    spec = model_spec(model)
-    limits = []
-    max_pos = getattr(model.config, "max_position_embeddings", None)
-    if max_pos:
-        limits.append(max_pos - QUESTION_ROOM)
-    if spec.sliding_window and not spec.sliding_layers:
-        limits.append(spec.sliding_window - 1)
+    limits = _limits(model)
     return min(limits) if limits else None
 
 
-def _limit_reason(model) -> str:
+def _limits(model) -> dict[int, str]:
+    """Each context limit of ``model`` (tokens) with its reason."""
     spec = model_spec(model)
+    limits = {}
     max_pos = getattr(model.config, "max_position_embeddings", None)
-    if spec.sliding_window and not spec.sliding_layers and (not max_pos or spec.sliding_window - 1 < max_pos - QUESTION_ROOM):
-        return f"at most {spec.sliding_window - 1}: the {spec.sliding_window}-token sliding window every layer uses"
-    return f"at most {max_pos - QUESTION_ROOM}: max_position_embeddings={max_pos}, leaving {QUESTION_ROOM} for questions"
+    if max_pos:
+        limits[max_pos - QUESTION_ROOM] = f"max_position_embeddings={max_pos}, leaving {QUESTION_ROOM} for questions"
+    if spec.sliding_window and not spec.sliding_layers:
+        limits[spec.sliding_window - 1] = f"the {spec.sliding_window}-token sliding window every layer uses"
+    return limits
+
+
+def _limit_reason(model) -> str:
+    limits = _limits(model)
+    return f"at most {min(limits)}: {limits[min(limits)]}"
 
 
 class _StageClock:

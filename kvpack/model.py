@@ -15,8 +15,7 @@ import torch
 from .errors import InputError, ModelLoadError, UnsupportedModelError
 
 __all__ = ["REFERENCE_MODEL_DIR", "REFERENCE_MODEL_NAME", "load_model", "model_path", "model_identity",
-           "model_for_pack", "resolve_device",
-           "resolve_dtype", "ModelSpec", "model_spec"]
+           "model_for_pack", "resolve_device", "resolve_dtype", "ModelSpec", "model_spec"]
 
 #: The embedded reference model shipped inside the package (see its MODEL_CARD.md).
 REFERENCE_MODEL_DIR = Path(__file__).resolve().parent / "models" / "reference"
@@ -97,7 +96,8 @@ def load_model(name_or_path: str | os.PathLike | None = None, *, device=None, dt
                     "local model folder, or run where the hub can be reached")
         else:
             hint = "pass a local model folder, or check the hub id"
-        raise ModelLoadError(f"could not load model {str(path)!r}: {str(exc).splitlines()[0].rstrip('.')}. Fix: {hint}") from None
+        first = (str(exc).splitlines() or [type(exc).__name__])[0].rstrip(".")
+        raise ModelLoadError(f"could not load model {str(path)!r}: {first}. Fix: {hint}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
@@ -184,7 +184,8 @@ def model_for_pack(metadata: dict, *, where: str = "the pack") -> str | None:
 def _offline() -> bool:
     """Whether the hub must not be contacted: ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` set, or the hub's host
     does not accept a connection within 3 seconds (so a run without network fails at once instead of retrying)."""
-    if any(os.environ.get(v, "").strip().lower() in _OFFLINE_VALUES for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+    flags = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    if any(os.environ.get(v, "").strip().lower() in _OFFLINE_VALUES for v in flags):
         return True
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return False  # the proxy decides; let the hub client try

@@ -11,8 +11,8 @@ so sources may be local files or URLs alike::
 
 * A ``.txt``/``.md`` file ``dir/name.ext`` becomes ``dir/name``; a ``.jsonl`` file's line with id ``ID`` becomes
   ``dir/<jsonl stem>/ID`` (its line number when the line has no id).
-* Unicode is kept (``résumé.txt`` -> ``résumé``, ``文档.txt`` -> ``文档``); only what common file systems refuse is
-  replaced by ``_``: the characters ``< > : " / \\ | ? *``, control characters, trailing dots and spaces, and
+* Unicode is kept (``résumé.txt`` -> ``résumé``, ``文档.txt`` -> ``文档``); only what common file systems
+  refuse is replaced by ``_``: the characters ``< > : " / \\ | ? *``, control characters, trailing dots and spaces, and
   Windows' reserved device names (``CON``, ``NUL``, ``COM1``, ...). A component longer than 200 UTF-8 bytes is
   cut and given an 8-hex-digit hash of the whole name.
 * No two contexts get one pack: names are compared case-insensitively after Unicode NFC normalisation (so packs can
