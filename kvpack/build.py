@@ -112,6 +112,7 @@ class _Item:
     ctx: Context
     path: Path
     header: PackHeader | None = None  # verified header of an up-to-date pack
+    known_failure: str | None = None  # recorded reason it is too long for this model (same text, settings, model)
     parts: list[tuple[Context, PackHeader]] = field(default_factory=list)  # up-to-date parts of a split context
 
 
@@ -130,7 +131,8 @@ class BuildPlan:
     @property
     def needs_model(self) -> bool:
         """Whether any context is to be built (so the model must be loaded)."""
-        return any(it.ctx.error is None and it.header is None and not it.parts for it in self.items)
+        return any(it.ctx.error is None and it.header is None and not it.parts and it.known_failure is None
+                   for it in self.items)
 
     @property
     def up_to_date(self) -> int:
@@ -192,19 +194,21 @@ def quant_layout_for(checksum: str) -> str:
 
 
 def plan_build(contexts: Iterable[Context], out_dir: str | os.PathLike, settings: dict, *,
-               model_id: dict | None = None, overwrite: bool = False) -> BuildPlan:
+               model_id: dict | None = None, overwrite: bool = False, split: bool = False) -> BuildPlan:
     """Check ``out_dir`` is a writable folder and find the up-to-date packs, without a model.
 
     A pack is up to date here when the manifest's last record for it says it was built from this text with these
     ``settings`` by the model ``model_id`` names (a local folder's ``kvpack.model.model_identity``; ``None`` or a
     hub id trusts nothing), and the pack verifies, records the same text and settings, and the same weights hash
-    as the record. A split context is up to date when all its recorded parts are.
+    as the record. A split context is up to date when all its recorded parts are. Without ``split``, a context the
+    manifest records as too long for that same model, text and settings is known to fail again.
 
     Args:
         contexts: from ``discover_contexts`` (names distinct).
         out_dir: the output folder; created if missing.
         settings: from ``build_settings``.
         overwrite: find nothing up to date (rebuild everything).
+        split: the run will split contexts that are too long (so recorded "too long" failures are retried).
 
     Raises:
         InputError: ``out_dir`` cannot be created, is not a folder, or cannot be written.
@@ -221,6 +225,11 @@ def plan_build(contexts: Iterable[Context], out_dir: str | os.PathLike, settings
             item.header = _recorded(out, records.get(ctx.pack), sha, settings, model_id)
             if item.header is None:
                 item.parts = _recorded_parts(out, ctx, records, sha, settings, model_id)
+            rec = records.get(ctx.pack)
+            if not split and not item.parts and isinstance(rec, dict) and rec.get("status") == "failed" and rec.get(
+                    "kind") == "too_long" and rec.get("source_sha256") == sha and rec.get("settings") == settings \
+                    and rec.get("model") == model_id and isinstance(rec.get("error"), str):
+                item.known_failure = rec["error"]
         items.append(item)
     return BuildPlan(out, settings, model_id, overwrite, items, records)
 
@@ -351,16 +360,9 @@ def run_build(plan: BuildPlan, model=None, tokenizer=None, *, split: bool = Fals
     with ManifestWriter(plan.out, plan.records) as manifest:
         run.manifest = manifest
         try:
-            todo = []  # (item, contexts to build)
-            for item in plan.items:
-                if item.header is not None or item.parts:
-                    continue
-                if item.ctx.error is None:
-                    todo.append(item)
-            sizes = {}
-            for item in todo:
-                n = prefix + len(layout.encode_text(tokenizer, item.ctx.text))
-                sizes[id(item)] = n
+            todo = [it for it in plan.items if it.ctx.error is None and it.header is None and not it.parts
+                    and it.known_failure is None]
+            sizes = {id(it): prefix + len(layout.encode_text(tokenizer, it.ctx.text)) for it in todo}
             for item in plan.items:
                 for result in run.item(item, sizes.get(id(item)), limit, split, layout, tokenizer, expected,
                                        sum(sizes.values())):
@@ -382,24 +384,25 @@ class _Run:
         if self.bar is not None:
             self.bar.close()
 
-    def record(self, result: BuildResult, sha: str | None, weights: str | None) -> BuildResult:
+    def record(self, result: BuildResult, sha: str | None, weights: str | None, kind: str | None = None
+               ) -> BuildResult:
         self.manifest.write({
             "pack": result.name + C.FILE_SUFFIX, "source": result.source, "id": result.id, "line": result.line,
             "part": result.part, "parts": result.parts, "status": result.status, "error": result.error,
             "tokens": result.tokens, "entries_kept": result.entries_kept, "bytes": result.bytes_written,
             "source_sha256": sha, "settings": self.plan.settings, "model": self.model_id,
-            "weights_sha256": weights, "time": time.time()})
+            "weights_sha256": weights, "kind": kind, "time": time.time()})
         return result
 
     def result(self, ctx: Context, path: Path, status: str, t0: float, sha: str | None, *,
                header: PackHeader | None = None, tokens: int = 0, entries: int = 0, size: int = 0,
-               error: str | None = None) -> BuildResult:
+               error: str | None = None, kind: str | None = None) -> BuildResult:
         if header is not None:
             tokens, entries, size = header.tokens, header.entries, header.file_bytes
         res = BuildResult(ctx.name, path, tokens, entries, size, time.perf_counter() - t0, status, error,
                           ctx.source, ctx.id, ctx.line, ctx.part, ctx.parts)
         weights = (header.metadata.get("fingerprint") or {}).get("weights_sha256") if header is not None else None
-        return self.record(res, sha, weights)
+        return self.record(res, sha, weights, kind)
 
     def item(self, item: _Item, tokens: int | None, limit: int | None, split: bool, layout, tokenizer,
              expected: dict | None, total: int) -> Iterator[BuildResult]:
@@ -412,13 +415,14 @@ class _Run:
             for part, header in item.parts:
                 yield self.result(part, self.plan.out / part.pack, "up_to_date", t0, sha, header=header)
             return
-        if ctx.error is not None:
-            yield self.result(ctx, item.path, "failed", t0, sha, error=ctx.error)
+        if ctx.error is not None or item.known_failure is not None:
+            kind = "too_long" if item.known_failure is not None else None
+            yield self.result(ctx, item.path, "failed", t0, sha, error=ctx.error or item.known_failure, kind=kind)
             return
         pieces = [ctx]
         if limit is not None and tokens > limit:
             if not split:
-                yield self.result(ctx, item.path, "failed", t0, sha, tokens=tokens, error=(
+                yield self.result(ctx, item.path, "failed", t0, sha, tokens=tokens, kind="too_long", error=(
                     f"{tokens:,} tokens is too long for this model (at most {limit:,}); pass --split to cut it "
                     "at paragraph boundaries into parts that fit"))
                 return
@@ -498,7 +502,7 @@ def build(contexts: Iterable[Context], model, tokenizer, *, out_dir: str | os.Pa
     """
     settings = build_settings(method=method, ratio=ratio, chunk_size=chunk_size, quant=quant, group_size=group_size,
                               zstd_level=zstd_level, checksum=checksum, **options)
-    plan = plan_build(contexts, out_dir, settings, model_id=model_id, overwrite=overwrite)
+    plan = plan_build(contexts, out_dir, settings, model_id=model_id, overwrite=overwrite, split=split)
     return list(run_build(plan, model, tokenizer, split=split, fail_fast=fail_fast,
                           progress_factory=progress_factory))
 

@@ -178,7 +178,7 @@ def build(inputs, model_name, method, ratio, out_dir, device, dtype, chunk_size,
     contexts = discover_contexts(inputs)
     out = Path(out_dir) if out_dir is not None else default_out_dir(inputs)
     model_id = model_identity(model_name, device=device, dtype=dtype)  # checks --model before anything loads
-    plan = plan_build(contexts, out, settings, model_id=model_id, overwrite=overwrite)
+    plan = plan_build(contexts, out, settings, model_id=model_id, overwrite=overwrite, split=split)
     _set_threads(threads)
     model = tokenizer = None
     results, interrupted = [], False
@@ -487,7 +487,7 @@ def _questions(given):
         if q != "-":
             yield q
             continue
-        for line in click.get_text_stream("stdin"):
+        for line in sys.stdin:
             if line.strip():
                 yield line.strip()
 

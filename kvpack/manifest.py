@@ -4,9 +4,11 @@ Each record says what became of one context::
 
     {"pack": "a/notes.kvpack", "source": "a/notes.txt", "id": null, "line": null, "part": null, "parts": null,
      "status": "built", "error": null, "tokens": 812, "entries_kept": 3120, "bytes": 40213,
-     "source_sha256": "...", "settings": {...}, "model": {...}, "weights_sha256": "...", "time": 1764580000.0}
+     "source_sha256": "...", "settings": {...}, "model": {...}, "weights_sha256": "...", "kind": null,
+     "time": 1764580000.0}
 
-``status`` is one of ``STATUSES``; ``error`` the reason a ``failed`` context was not built. During a build each
+``status`` is one of ``STATUSES``; ``error`` the reason a ``failed`` context was not built, and ``kind``
+``"too_long"`` when that reason is its length (the same text fails again with the same model and settings). During a build each
 record is appended (and flushed) as its pack is written, so an interrupted run leaves what it did; at the end the
 file is compacted (atomically rewritten with the last record of each pack). Readers take the last valid record of
 each ``pack`` and ignore lines that are not JSON objects with a string ``pack`` (a torn last line, a hostile
@@ -29,7 +31,7 @@ MANIFEST_NAME = "kvpack-manifest.jsonl"
 STATUSES = ("built", "replaced", "up_to_date", "failed")
 #: Fields of every record, in the order they are written.
 FIELDS = ("pack", "source", "id", "line", "part", "parts", "status", "error", "tokens", "entries_kept", "bytes",
-          "source_sha256", "settings", "model", "weights_sha256", "time")
+          "source_sha256", "settings", "model", "weights_sha256", "kind", "time")
 
 
 def parse_manifest(lines: Iterable[str]) -> dict[str, dict[str, Any]]:
