@@ -26,7 +26,8 @@ from .compress import DEFAULT_CHUNK_SIZE, DEFAULT_RATIO
 from .errors import InputError, KvpackError
 from .fileformat import load_pack, read_header
 from .generation import answer
-from .listing import describe_pack, list_packs, verify_report
+from .listing import describe_pack, info_text, list_packs, verify_report
+from .listing import table as _table
 from .loading import cache_from_pack
 from .methods import METHODS
 from .methods.base import SCOPES
@@ -230,7 +231,7 @@ def info(files, as_json):
     With several files, a bad one is reported (error: ...) and the others are described; the exit status is then 1.
     """
     if len(files) == 1 and not as_json:
-        _print_info(files[0])
+        click.echo(info_text(files[0]))
         return
     rows, failed = [], False
     for i, file in enumerate(files):
@@ -240,7 +241,7 @@ def info(files, as_json):
                 rows.append({**describe_pack(file), "error": None})
             else:
                 click.echo(("\n" if i else "") + f"== {file}")
-                _print_info(file)
+                click.echo(info_text(file))
         except KvpackError as exc:
             failed = True
             rows.append({"file": str(file), "error": str(exc)})
@@ -250,123 +251,6 @@ def info(files, as_json):
         click.echo(json.dumps(rows, indent=1, ensure_ascii=False))
     if failed:
         sys.exit(1)
-
-
-def _print_info(file) -> None:
-    pack = load_pack(file)  # validates the whole file
-    header = read_header(file)
-    meta = header.metadata
-    fp = meta.get("fingerprint") or {}
-    stats = meta.get("stats") or {}
-    source = meta.get("source") or {}
-    params = meta.get("method_params") or {}
-    rope = fp.get("rope") or {}
-    sliding = fp.get("sliding_layers") or []
-    rows = [
-        ("file", str(file)),
-        ("format", f"kvpack v{header.format_version}, {header.file_bytes:,} bytes, tensor checksums "
-                   f"{C.CHECKSUM_NAMES[header.checksum]}"),
-        ("kvpack version", str(meta.get("kvpack_version", "?"))),
-        ("model", str(fp.get("name") or "?")),
-        ("  architecture", f"{fp.get('architecture', '?')} ({fp.get('model_type', '?')})"),
-        ("  layers", str(fp.get("num_layers", "?"))),
-        ("  heads", f"{fp.get('num_heads', '?')} query, {fp.get('num_kv_heads', '?')} KV"),
-        ("  head dim", str(fp.get("head_dim", "?"))),
-        ("  RoPE", ", ".join(f"{k}={v}" for k, v in sorted(rope.items())) or "-"),
-        ("  sliding layers", (f"{', '.join(map(str, sliding))} (window {fp.get('sliding_window')}, kept intact)"
-                              if sliding else "none")),
-        ("  KV dtype", str(fp.get("dtype", "?"))),
-        ("  tokenizer", f"sha256 {_short(fp.get('tokenizer_sha256'))}"),
-        ("  weights", f"sha256 {_short(fp.get('weights_sha256'))}"),
-        ("method", f"{meta.get('method', '?')}"
-                   + (f" ({', '.join(f'{k}={v}' for k, v in sorted(params.items()))})" if params else "")),
-        ("ratio", str(meta.get("ratio", "?"))),
-        ("quantization", _quantization(header, pack)),
-        ("zstd", (f"level {header.zstd_level}: {header.file_bytes:,} bytes on disk, "
-                  f"{header.header_bytes + header.raw_bytes:,} decoded") if header.zstd_level else "off"),
-        ("tokens", f"{pack.original_tokens:,} ({pack.sink_tokens:,} sink + "
-                   f"{pack.original_tokens - pack.sink_tokens:,} context)"),
-        ("entries kept", _kept(pack, stats)),
-        *_budget_rows(stats),
-        ("source", f"{source.get('name', '?')} (sha256 {_short(source.get('sha256'))}, "
-                   f"{source.get('chars', '?'):,} chars)" if isinstance(source.get("chars"), int)
-                   else f"{source.get('name', '?')} (sha256 {_short(source.get('sha256'))})"),
-    ]
-    click.echo(_pairs(rows))
-
-    kinds = meta.get("layer_kinds") or []
-    click.echo("\nentries kept per layer (per KV head: min / mean / max)")
-    layer_rows = []
-    for l, layer in enumerate(pack.layers):
-        hl = layer.head_lengths.double()
-        layer_rows.append((str(l), kinds[l] if l < len(kinds) else "?", f"{layer.num_entries:,}",
-                           f"{int(hl.min()):,}", f"{float(hl.mean()):,.1f}", f"{int(hl.max()):,}"))
-    click.echo(_table(("layer", "kind", "entries", "min", "mean", "max"), layer_rows, right=(0, 2, 3, 4, 5),
-                      indent="  "))
-    errors = stats.get("quant_error")
-    if isinstance(errors, list) and errors and all(isinstance(e, dict) for e in errors):
-        click.echo("\nquantization error per layer (|dequantized - original| over all entries, KV units)")
-        err_rows = [(str(e.get("layer", "?")), *(_num(e.get(k)) for k in (
-            "key_max_abs", "key_mean_abs", "value_max_abs", "value_mean_abs")),
-            _num(100 * e["quantized_fraction"]) + "%" if isinstance(e.get("quantized_fraction"), (int, float))
-            else "?") for e in errors]
-        click.echo(_table(("layer", "key max", "key mean", "value max", "value mean", "quantized"), err_rows,
-                          right=(0, 1, 2, 3, 4, 5), indent="  "))
-
-    click.echo("\nbytes by section")
-    sections = header.bytes_by_section()
-    sec_rows = [(name, f"{n:,}", f"{100 * n / max(1, header.file_bytes):.1f}%") for name, n in sections.items()]
-    sec_rows.append(("total", f"{header.file_bytes:,}", "100.0%"))
-    click.echo(_table(("section", "bytes", "share"), sec_rows, right=(1, 2), indent="  "))
-
-
-def _num(x) -> str:
-    return f"{x:.4g}" if isinstance(x, (int, float)) and not isinstance(x, bool) else "?"
-
-
-def _quantization(header, pack) -> str:
-    """The ``quantization`` row of ``kvpack info``: type, group size, layout (compact: the key code widths)."""
-    if not header.group_size:
-        return "none"
-    import torch
-
-    head = f"{header.quant_type}, group size {header.group_size}"
-    if header.quant_layout != C.QUANT_LAYOUT_COMPACT:
-        return f"{head}, KIVI layout (keys per channel, values per token; sink and residual rows in full precision)"
-    widths = torch.cat([l.quant.key_bits.reshape(-1) for l in pack.layers if l.quant is not None]).long()
-    counts = torch.bincount(widths, minlength=C.MAX_KEY_BITS + 1)
-    used = [(b, int(n)) for b, n in enumerate(counts.tolist()) if n]
-    widths = "/".join(str(b) for b, _ in used)
-    channels = "/".join(str(n) for _, n in used)
-    return (f"{head}, compact layout (key code widths {widths} bits on {channels} channels of all heads; 8-bit "
-            "group parameters; sink rows in full precision)")
-
-
-def _kept(pack, stats: dict) -> str:
-    total = f"{pack.kept_entries():,} stored"
-    kept, entries = stats.get("context_entries_kept"), stats.get("context_entries")
-    if isinstance(kept, int) and isinstance(entries, int) and entries:
-        return f"{total}; context: {kept:,} of {entries:,} ({100 * kept / entries:.1f}%), sink always kept"
-    return total
-
-
-def _budget_rows(stats: dict) -> list[tuple[str, str]]:
-    """``layer budgets`` (context entries kept per compressed layer) and D2O's ``merged`` line, when recorded."""
-    rows = []
-    budgets = stats.get("layer_budgets")
-    if isinstance(budgets, list) and budgets:
-        rows.append(("layer budgets", f"{', '.join(f'{b:,}' for b in budgets)} context entries "
-                                      "(per compressed layer, sink not counted)"))
-    merge = stats.get("merge")
-    if isinstance(merge, dict):
-        rows.append(("merged", f"{merge.get('merged', '?'):,} evicted entries merged into kept ones, "
-                               f"{merge.get('dropped', '?'):,} dropped"
-                     if all(isinstance(merge.get(k), int) for k in ("merged", "dropped")) else str(merge)))
-    return rows
-
-
-def _short(digest) -> str:
-    return f"{digest[:12]}..." if isinstance(digest, str) and len(digest) > 12 else str(digest or "-")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -574,22 +458,6 @@ def bench(ctx, methods, ratios, quants, lengths, trials, tasks, out_dir, quick, 
 
 # ---------------------------------------------------------------------------------------------------------------
 # formatting
-
-
-def _pairs(rows) -> str:
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
-
-def _table(headers, rows, *, right=(), indent: str = "") -> str:
-    cols = list(zip(headers, *rows))
-    widths = [max(len(str(c)) for c in col) for col in cols]
-
-    def line(cells):
-        out = [f"{c:>{w}}" if i in right else f"{c:<{w}}" for i, (c, w) in enumerate(zip(cells, widths))]
-        return (indent + "  ".join(out)).rstrip()
-
-    return "\n".join([line(headers)] + [line(r) for r in rows])
 
 
 def main() -> None:

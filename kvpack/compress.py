@@ -44,7 +44,8 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
 
     Args:
         model, tokenizer: from ``kvpack.load_model`` or transformers.
-        text: the context (a document), non-empty.
+        text: the context (a document), non-empty; special-token strings in it (``<|end|>``) are encoded as text,
+            never as control tokens (``ChatLayout.encode_text``).
         method: a name from ``kvpack.methods.METHODS``.
         ratio: compression ratio = fraction of context KV entries kept, in (0, 1]; 1.0 keeps everything
             (method ``none`` always keeps everything and records 1.0).
@@ -70,9 +71,9 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
         A ``Pack`` (in memory); ``kvpack.save`` writes it.
 
     Raises:
-        InputError: empty text, ratio outside (0, 1], chunk_size < 1, unknown method or option, unknown quant,
-            group size not in (32, 64, 128) or not fitting the head size, unknown quant layout, ``stage_seconds``
-            not a dict.
+        InputError: empty text, text longer than ``max_context_tokens(model)``, ratio outside (0, 1],
+            chunk_size < 1, unknown method or option, unknown quant, group size not in (32, 64, 128) or not fitting
+            the head size, unknown quant layout, ``stage_seconds`` not a dict.
         UnsupportedModelError: the model's architecture is not supported.
     """
     if not isinstance(text, str) or not text.strip():
