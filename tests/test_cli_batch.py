@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -234,3 +235,34 @@ def test_a_dtype_mismatch_says_which_dtypes_differ(llama, tmp_path):
     assert "was built with the model in float16 but the model given is loaded in bfloat16; the dtypes differ" \
         in res.stderr
     assert "`--dtype float16`" in res.stderr and "weights differ" not in res.stderr
+
+
+def test_ctrl_c_prints_the_summary_so_far_and_exits_130(tmp_path):
+    """A real SIGINT to ``python -m kvpack build`` once the first pack is in the manifest."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text(TEXT[:200], encoding="utf-8")
+    for i in range(1, 30):
+        (docs / f"b{i:02d}.txt").write_text(TEXT * 8, encoding="utf-8")
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(kvpack.build.__file__).parents[1]),
+                                                                   os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, "-m", "kvpack", "build", str(docs), "--out", str(out), "--chunk-size",
+                             "256", "--device", "cpu"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None and "a.kvpack" not in read_manifest(out):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "Aborted" not in stderr
+    last = stdout.strip().splitlines()[-1]
+    assert re.search(r"^\d+ packs in .*: \d+ built, 0 up to date, 0 replaced, 0 failed; .*; interrupted$", last), last
+    assert "a.kvpack" in read_manifest(out)
