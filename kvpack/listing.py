@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -213,12 +214,21 @@ def pairs(rows) -> str:
 
 
 def table(headers, rows, *, right=(), indent: str = "") -> str:
-    """A plain-text table: ``headers`` then ``rows``, columns padded (those in ``right`` right-aligned)."""
+    """A plain-text table: ``headers`` then ``rows``, columns padded (those in ``right`` right-aligned) to their
+    width on a terminal (East Asian wide characters count two columns)."""
     cols = list(zip(headers, *rows))
-    widths = [max(len(str(c)) for c in col) for col in cols]
+    widths = [max(_width(str(c)) for c in col) for col in cols]
+
+    def cell(i: int, c, w: int) -> str:
+        pad = " " * (w - _width(str(c)))
+        return pad + str(c) if i in right else str(c) + pad
 
     def line(cells):
-        out = [f"{c:>{w}}" if i in right else f"{c:<{w}}" for i, (c, w) in enumerate(zip(cells, widths))]
-        return (indent + "  ".join(out)).rstrip()
+        return (indent + "  ".join(cell(i, c, w) for i, (c, w) in enumerate(zip(cells, widths)))).rstrip()
 
     return "\n".join([line(headers)] + [line(r) for r in rows])
+
+
+def _width(text: str) -> int:
+    """Terminal columns of ``text``: wide and full-width characters take two."""
+    return sum(2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)

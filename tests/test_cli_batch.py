@@ -266,3 +266,10 @@ def test_ctrl_c_prints_the_summary_so_far_and_exits_130(tmp_path):
     last = stdout.strip().splitlines()[-1]
     assert re.search(r"^\d+ packs in .*: \d+ built, 0 up to date, 0 replaced, 0 failed; .*; interrupted$", last), last
     assert "a.kvpack" in read_manifest(out)
+
+
+def test_tables_align_wide_characters():
+    from kvpack.listing import table
+
+    assert table(("pack", "n"), [("文档", "1"), ("abcd", "22")], right=(1,)).splitlines() == [
+        "pack   n", "文档   1", "abcd  22"]
