@@ -1,12 +1,14 @@
 """The ``kvpack`` command line: parses arguments, calls the library, formats the results.
 
-    kvpack build docs/ --ratio 0.3          # one .kvpack per document, in ../packs beside docs/
-    kvpack info packs/notes.kvpack
-    kvpack verify packs/notes.kvpack --model PATH
-    kvpack ask packs/notes.kvpack "What is the secret code?"
+    kvpack build docs/ --ratio 0.3          # one .kvpack per document, mirrored in ../packs beside docs/
+    kvpack ls packs/
+    kvpack info packs/notes.kvpack packs/a/b.kvpack --json
+    kvpack verify packs/*.kvpack --model PATH
+    kvpack ask packs/notes.kvpack "What is the secret code?" "Who wrote it?"
 
 Every ``KvpackError`` is printed as ``error: <message>`` on stderr, without a traceback, and the exit status is 1;
-usage errors (bad options) keep click's status 2.
+usage errors (bad options) keep click's status 2. ``build`` exits 1 when a context failed and 130 when interrupted.
+The commands only parse and format: the work is in ``kvpack.build``, ``kvpack.listing`` and ``kvpack.generation``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ __all__ = ["cli", "main"]
 
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-_MODEL_HELP = "Hugging Face model folder or hub id [default: the embedded reference model]."
+_MODEL_HELP = ("Hugging Face model folder (holding config.json), kvpack-reference (the embedded reference model) or "
+               "hub id (from the local cache when offline) [default: kvpack-reference].")
 
 
 class _Group(click.Group):
@@ -452,8 +455,8 @@ def bench(ctx, methods, ratios, quants, lengths, trials, tasks, out_dir, quick, 
     click.echo(f"results: {Path(out_dir) / 'results.md'}")
     failures = results.get("failures") or {}
     if failures:
-        raise KvpackError(f"{len(failures)} bench task(s) failed ({'; '.join(f'{k}: {v}' for k, v in failures.items())})"
-                          f"; see {Path(out_dir) / 'results.md'}")
+        which = "; ".join(f"{k}: {v}" for k, v in failures.items())
+        raise KvpackError(f"{len(failures)} bench task(s) failed ({which}); see {Path(out_dir) / 'results.md'}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
