@@ -20,11 +20,10 @@ import json
 import math
 import os
 import re
-import secrets
 import stat
 import threading
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, BinaryIO, Union
 
 import numpy as np
 import torch
@@ -32,6 +31,7 @@ import xxhash
 import zstandard
 
 from kvpack import constants as C
+from kvpack import storage
 from kvpack.errors import (
     ChecksumMismatchError,
     CorruptFileError,
@@ -47,7 +47,7 @@ from kvpack.quant import layer_quant_problem, split_lengths, value_group_size
 __all__ = ["TensorCodec", "TensorInfo", "PackHeader", "pack_to_bytes", "check_storage_args", "save", "load_pack",
            "read_header", "verify"]
 
-Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]
+Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, BinaryIO]
 
 _REBUILD = "rebuild it with `kvpack build`"
 _RECOPY = f"copy it again or {_REBUILD}"
@@ -325,59 +325,41 @@ def check_storage_args(zstd_level: int, checksum: str) -> None:
 
 
 def save(pack: Pack, path: str | os.PathLike, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
-         checksum: str = C.DEFAULT_CHECKSUM) -> int:
-    """Write ``pack`` to ``path`` atomically and return the number of bytes written.
+         checksum: str = C.DEFAULT_CHECKSUM, *, storage_options: dict | None = None) -> int:
+    """Write ``pack`` to ``path`` (a local path or an fsspec URL) atomically and return the number of bytes written.
 
     ``zstd_level`` (default 0: off, so an unquantized pack gives a file that plain safetensors tools read tensor
     by tensor) compresses each tensor with zstd at that level (1..22; ``kvpack build`` uses 3); ``checksum``
     (default ``"xxh3"``; ``"sha256"`` for a file kvpack 0.1 can read when it uses no other new feature) picks the
     tensor checksum; see ``pack_to_bytes``.
 
-    The bytes go to ``<path>.tmp.<pid>.<random>`` in the same folder, are flushed and fsynced, and the temporary
-    file is then renamed over ``path`` with ``os.replace``. On any error the temporary file is removed and an
-    existing ``path`` is left untouched.
+    A local ``path`` gets the bytes in ``<path>.tmp.<pid>.<random>`` in the same folder, flushed and fsynced, then
+    renamed over ``path`` with ``os.replace``; on any error the temporary file is removed and an existing ``path``
+    is left untouched. A URL (``s3://``, ``memory://``, ...) is written by ``kvpack.storage.write_atomic`` (one
+    whole-object put on object stores, temporary name + move elsewhere), with ``storage_options`` passed to fsspec.
 
     Raises:
         InputError: the pack cannot be written (see ``pack_to_bytes``) or the file cannot be created
-            (missing folder, no permission, disk full).
+            (missing folder, no permission, disk full, read-only protocol).
     """
     data = pack_to_bytes(pack, zstd_level, checksum)
-    try:
-        target = os.fspath(path)
-    except TypeError as exc:
-        raise InputError(f"cannot save to {path!r}: expected a file path") from exc
-    tmp = f"{target}{C.TEMP_INFIX}{os.getpid()}.{secrets.token_hex(C.TEMP_RANDOM_BYTES)}"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), C.TEMP_FILE_MODE)
-    except OSError as exc:
-        raise InputError(
-            f"cannot save {target}: {exc.strerror or exc}; check that the folder exists and is writable"
-        ) from exc
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException as exc:
+    if not storage.is_url(path):
         try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        if isinstance(exc, OSError):
-            reason = exc.strerror or exc
-            raise InputError(f"cannot save {target}: {reason}; check the disk space and permissions") from exc
-        raise
-    _fsync_folder(os.path.dirname(os.path.abspath(target)))
-    return len(data)
+            os.fspath(path)
+        except TypeError as exc:
+            raise InputError(f"cannot save to {path!r}: expected a file path") from exc
+    return storage.write_atomic(path, data, storage_options)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # reading
 
 
-def read_header(source: Source) -> PackHeader:
-    """Read and validate the header of a ``.kvpack`` file (a path or the file's bytes) without reading the data.
+def read_header(source: Source, *, storage_options: dict | None = None) -> PackHeader:
+    """Read and validate the header of a ``.kvpack`` file without reading the data.
+
+    ``source`` is a local path, an fsspec URL (read by range: the length prefix and the header only; fsspec gets
+    ``storage_options``), a seekable binary file object, or the file's bytes.
 
     Checks everything except the tensor checksums and the tensor values: sizes, magic, version, the tensor index
     (dtypes, shapes, offsets, layout), the tensor set, the header checksum and the kvpack metadata.
@@ -387,20 +369,24 @@ def read_header(source: Source) -> PackHeader:
         TruncatedFileError, NotAKvpackFileError, CorruptFileError, ChecksumMismatchError (header),
         UnsupportedVersionError: see ``load_pack``.
     """
-    with _Source(source) as src:
+    with _Source(source, storage_options) as src:
         return _parse_header(src)[0]
 
 
-def verify(source: Source) -> PackHeader:
+def verify(source: Source, *, storage_options: dict | None = None) -> PackHeader:
     """Check everything ``load_pack`` checks, raising on the first problem; return the header.
 
-    Raises: the errors of ``load_pack``.
+    ``source`` and ``storage_options``: as for ``load_pack``. Raises: the errors of ``load_pack``.
     """
-    return _load(source)[0]
+    return _load(source, storage_options)[0]
 
 
-def load_pack(source: Source) -> Pack:
-    """Read a ``.kvpack`` file (a path or its bytes) into a ``Pack`` after validating all of it.
+def load_pack(source: Source, *, storage_options: dict | None = None) -> Pack:
+    """Read a ``.kvpack`` file into a ``Pack`` after validating all of it.
+
+    ``source`` is a local path, an fsspec URL (``s3://``, ``https://``, ...: read by range, the header then the
+    data region, into memory; nothing is written to disk; fsspec gets ``storage_options``), a seekable binary file
+    object (read with ``seek``/``readinto``, left open), or the file's bytes.
 
     Returned tensors are fresh copies: ``token_ids`` int64 ``[tokens]``; per layer ``keys`` ``[entries, head_dim]``
     and ``values`` ``[entries, head_dim_v]`` in the stored dtype, ``positions`` int32 ``[entries]``,
@@ -416,7 +402,7 @@ def load_pack(source: Source) -> Pack:
             tensors of a version-3 file).
         UnsupportedVersionError: the file's format version is newer than this kvpack reads.
     """
-    return _load(source)[1]
+    return _load(source, storage_options)[1]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -424,23 +410,41 @@ def load_pack(source: Source) -> Pack:
 
 
 class _Source:
-    """A file path or an in-memory file, read by byte range.
+    """A file path, an fsspec URL, an open binary file or an in-memory file, read by byte range.
 
-    A path is opened once, on the first read, and stays open until ``close()`` (or the end of a ``with`` block):
-    a load reads the length prefix, the magic, the header and the data through one file object.
+    A path or URL is opened once, on the first read (URLs through ``kvpack.storage.open_read``: one range request
+    per read), and stays open until ``close()`` (or the end of a ``with`` block): a load reads the length prefix,
+    the magic, the header and the data through one file object. An open file passed in is read with
+    ``seek``/``readinto`` and left open.
     """
 
-    def __init__(self, source: Source):
+    def __init__(self, source: Source, storage_options: dict | None = None):
         self._data: bytes | None = None
         self._file = None
+        self._owned = True
+        self._options = storage_options
         if isinstance(source, (bytes, bytearray, memoryview)):
             self._data = bytes(source)
             self.name, self.size = "kvpack data (in memory)", len(self._data)
             return
+        if hasattr(source, "readinto") and hasattr(source, "seek"):
+            self._file, self._owned = source, False
+            self.path = self.name = str(getattr(source, "kvpack_name", None) or getattr(source, "path", None)
+                                        or getattr(source, "name", None) or "kvpack file object")
+            try:
+                self.size = source.seek(0, os.SEEK_END)
+            except OSError as exc:
+                raise InputError(f"cannot read {self.name}: {exc.strerror or exc}; pass a seekable file") from exc
+            return
+        if storage.is_url(source):
+            self.path = self.name = source
+            self._file = storage.open_read(source, storage_options)
+            self.size = int(self._file.size)
+            return
         try:
             self.path = os.fspath(source)
         except TypeError as exc:
-            raise InputError(f"cannot read {source!r}: expected a file path or bytes") from exc
+            raise InputError(f"cannot read {source!r}: expected a file path, a URL, an open file or bytes") from exc
         self.name = self.path
         try:
             st = os.stat(self.path)
@@ -457,10 +461,10 @@ class _Source:
         self.close()
 
     def close(self) -> None:
-        """Close the file, if one was opened."""
-        if self._file is not None:
+        """Close the file, if this object opened it."""
+        if self._file is not None and self._owned:
             self._file.close()
-            self._file = None
+        self._file = None
 
     def read(self, start: int, n: int) -> bytes:
         """Exactly ``n`` bytes from ``start`` (the caller has checked the range against ``size``)."""
@@ -478,7 +482,7 @@ class _Source:
             if self._file is None:
                 self._file = open(self.path, "rb", buffering=0)
             self._file.seek(start)
-            got = self._file.readinto(buf)
+            got = self._file.readinto(buf) if n else 0
         except OSError as exc:
             raise InputError(f"cannot read {self.path}: {exc.strerror or exc}; check the path") from exc
         if got != n:
@@ -486,9 +490,9 @@ class _Source:
         return buf
 
 
-def _load(source: Source) -> tuple[PackHeader, Pack]:
+def _load(source: Source, storage_options: dict | None = None) -> tuple[PackHeader, Pack]:
     """Validate a whole file and build its Pack."""
-    with _Source(source) as src:
+    with _Source(source, storage_options) as src:
         header, sums = _parse_header(src)
         data = memoryview(src.read_into_buffer(header.header_bytes, header.file_bytes - header.header_bytes))
     digest = _DIGESTS[header.checksum]
@@ -1327,17 +1331,3 @@ def _no_constant(token: str) -> Any:
 
 def _short(exc: BaseException) -> str:
     return str(exc)[:200] or type(exc).__name__
-
-
-def _fsync_folder(folder: str) -> None:
-    """Best effort: make the rename durable (POSIX only)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -34,23 +34,27 @@ def cache_from_pack(pack: Pack, model, tokenizer=None, *, device=None, where: st
     return KvpackCache.from_pack(pack, device=dev, dtype=model.dtype, sliding_layers=spec.sliding_layers)
 
 
-def load(path: str | os.PathLike, model, *, device=None, tokenizer=None) -> KvpackCache:
+def load(path: str | os.PathLike, model, *, device=None, tokenizer=None,
+         storage_options: dict | None = None) -> KvpackCache:
     """Load a ``.kvpack`` file into a cache for ``model``, ready for ``kvpack.generate`` or ``model.generate``.
 
     Args:
-        path: the ``.kvpack`` file.
+        path: the ``.kvpack`` file: a local path or an fsspec URL (``s3://``, ``https://``, ...), read by range
+            (header, then the data region) into memory, no download to disk first.
         model: the model it was built with (checked by fingerprint: architecture, shapes, RoPE, weights hash).
         device: where to place the cache (default: the model's device).
         tokenizer: if given, its hash is checked too.
+        storage_options: passed to fsspec for a URL (e.g. ``{"endpoint_url": ..., "anon": True}``).
 
     Returns:
         A ``KvpackCache`` (a ``transformers.Cache``); see its docstring for use with ``model.generate``.
 
     Raises:
+        InputError: the file cannot be read (missing, no permission, missing fsspec backend).
         PackFormatError subclasses: truncated, corrupt, foreign or newer-version files (nothing is half-loaded).
         ModelMismatchError: the file was built for another model.
     """
-    pack = load_pack(path)
+    pack = load_pack(path, storage_options=storage_options)
     return cache_from_pack(pack, model, tokenizer, device=device, where=str(path))
 
 

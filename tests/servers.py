@@ -1,0 +1,128 @@
+"""Local servers for the storage tests, on 127.0.0.1 only: a static HTTP server with Range support and an S3 API
+(moto's server mode). Both count the requests they answer and the body bytes they send."""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+@dataclass
+class Traffic:
+    """What a server answered: ``requests`` as ``(method, path, range header or None)``, ``sent`` body bytes."""
+
+    requests: list = field(default_factory=list)
+    sent: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def reset(self) -> None:
+        with self.lock:
+            self.requests.clear()
+            self.sent = 0
+
+    def add(self, method: str, path: str, rng: str | None, nbytes: int) -> None:
+        with self.lock:
+            self.requests.append((method, path, rng))
+            self.sent += nbytes
+
+    def gets(self) -> list:
+        return [r for r in self.requests if r[0] == "GET"]
+
+
+class HttpFiles:
+    """Serves ``files`` (URL path -> bytes) at ``url``; GET honours ``Range: bytes=a-b`` (206), HEAD gives sizes."""
+
+    def __init__(self):
+        self.files: dict[str, bytes] = {}
+        self.traffic = Traffic()
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _answer(self, body: bool) -> None:
+                data = owner.files.get(self.path)
+                rng = self.headers.get("Range")
+                if data is None:
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    owner.traffic.add(self.command, self.path, rng, 0)
+                    return
+                start, end = 0, len(data)
+                m = re.fullmatch(r"bytes=(\d+)-(\d*)", rng or "")
+                if m:
+                    start = int(m.group(1))
+                    end = min(len(data), int(m.group(2)) + 1) if m.group(2) else len(data)
+                    self.send_response(206)
+                    self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+                else:
+                    self.send_response(200)
+                self.send_header("Accept-Ranges", "bytes")
+                self.send_header("Content-Length", str(end - start))
+                self.end_headers()
+                chunk = data[start:end] if body else b""
+                self.wfile.write(chunk)
+                owner.traffic.add(self.command, self.path, rng, len(chunk))
+
+            def do_GET(self):
+                self._answer(True)
+
+            def do_HEAD(self):
+                self._answer(False)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class MotoS3:
+    """moto's S3 API served on 127.0.0.1 (werkzeug, in a thread), behind a middleware that counts traffic.
+
+    ``options`` are the ``storage_options`` that point s3fs at it (fake credentials, no retries, no region lookup).
+    """
+
+    def __init__(self):
+        import os
+
+        os.environ["AWS_EC2_METADATA_DISABLED"] = "true"  # never look for credentials off this machine
+        from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+        from werkzeug.serving import make_server
+
+        self.traffic = Traffic()
+        app = DomainDispatcherApplication(create_backend_app)
+        traffic = self.traffic
+
+        def counting(environ, start_response):
+            body = app(environ, start_response)
+            out = b"".join(body)
+            if hasattr(body, "close"):
+                body.close()
+            traffic.add(environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""), environ.get("HTTP_RANGE"),
+                        len(out) if environ["REQUEST_METHOD"] == "GET" else 0)
+            return [out]
+
+        self.server = make_server("127.0.0.1", 0, counting, threaded=True)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.options = {"endpoint_url": self.endpoint, "key": "testing", "secret": "testing",
+                        "client_kwargs": {"region_name": "eu-west-1"}, "use_listings_cache": False,
+                        "skip_instance_cache": True, "config_kwargs": {"retries": {"max_attempts": 1}}}
+
+    def make_bucket(self, name: str) -> None:
+        import s3fs
+
+        s3fs.S3FileSystem(**self.options).mkdir(name)
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
