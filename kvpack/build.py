@@ -21,9 +21,11 @@ written, so an interrupted run resumes where it stopped.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import posixpath
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -33,9 +35,10 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from . import constants as C
+from . import storage
 from .compress import DEFAULT_CHUNK_SIZE, DEFAULT_RATIO, compress, max_context_tokens
 from .errors import InputError, KvpackError
-from .fileformat import PackHeader, check_storage_args, save, verify
+from .fileformat import PackHeader, check_storage_args, read_header, save, verify
 from .fingerprint import check_fingerprint, model_fingerprint
 from .layout import chat_layout
 from .manifest import ManifestWriter, read_manifest
@@ -55,6 +58,7 @@ __all__ = [
     "default_out_dir",
     "build_settings",
     "plan_build",
+    "item_needs_model",
     "run_build",
     "build",
     "summary",
@@ -110,7 +114,7 @@ class BuildResult:
 @dataclass
 class _Item:
     ctx: Context
-    path: Path
+    path: Path | str
     header: PackHeader | None = None  # verified header of an up-to-date pack
     known_failure: str | None = None  # recorded reason it is too long for this model (same text, settings, model)
     parts: list[tuple[Context, PackHeader]] = field(default_factory=list)  # up-to-date parts of a split context
@@ -121,18 +125,18 @@ class BuildPlan:
     """What ``plan_build`` found: the contexts in order, each up to date (``header`` or ``parts`` set), failed
     (``ctx.error``) or to build. ``needs_model`` says whether ``run_build`` needs a model."""
 
-    out: Path
+    out: Path | str
     settings: dict[str, Any]
     model_id: dict[str, Any] | None
     overwrite: bool
     items: list[_Item]
     records: dict[str, dict[str, Any]]
+    storage_options: dict[str, Any] | None = None
 
     @property
     def needs_model(self) -> bool:
         """Whether any context is to be built (so the model must be loaded)."""
-        return any(it.ctx.error is None and it.header is None and not it.parts and it.known_failure is None
-                   for it in self.items)
+        return any(item_needs_model(it) for it in self.items)
 
     @property
     def up_to_date(self) -> int:
@@ -140,11 +144,18 @@ class BuildPlan:
         return sum(1 if it.header is not None else len(it.parts) for it in self.items)
 
 
-def default_out_dir(inputs: Iterable[str | os.PathLike]) -> Path:
+def item_needs_model(item: _Item) -> bool:
+    """Whether the plan's ``item`` is to be built (so the model must be loaded): readable, not up to date, not known
+    to fail."""
+    return item.ctx.error is None and item.header is None and not item.parts and item.known_failure is None
+
+
+def default_out_dir(inputs: Iterable[str | os.PathLike]) -> Path | str:
     """The default output folder: ``packs/`` beside the first input.
 
     For a folder input ``docs/`` that is the sibling ``docs/../packs`` (so packs never mix with the documents);
     for a file input ``docs/a.txt`` it is ``docs/packs``. Paths are resolved first, so ``.`` gives ``../packs``.
+    For a URL the same rule applies to its path: ``s3://b/docs/`` -> ``s3://b/packs``.
 
     Raises:
         InputError: ``inputs`` is empty.
@@ -152,7 +163,11 @@ def default_out_dir(inputs: Iterable[str | os.PathLike]) -> Path:
     inputs = list(inputs)
     if not inputs:
         raise InputError("no input given, so there is no default output folder; pass --out DIR")
-    first = Path(inputs[0]).resolve()
+    if storage.is_url(inputs[0]):
+        protocol, rest = inputs[0].split("://", 1)
+        parent = posixpath.dirname(rest.rstrip("/"))
+        return f"{protocol}://{parent + '/' if parent else ''}{OUT_DIR_NAME}"
+    first = storage.as_path(inputs[0]).resolve()
     return first.parent / OUT_DIR_NAME
 
 
@@ -194,7 +209,8 @@ def quant_layout_for(checksum: str) -> str:
 
 
 def plan_build(contexts: Iterable[Context], out_dir: str | os.PathLike, settings: dict, *,
-               model_id: dict | None = None, overwrite: bool = False, split: bool = False) -> BuildPlan:
+               model_id: dict | None = None, overwrite: bool = False, split: bool = False,
+               storage_options: dict | None = None) -> BuildPlan:
     """Check ``out_dir`` is a writable folder and find the up-to-date packs, without a model.
 
     A pack is up to date here when the manifest's last record for it says it was built from this text with these
@@ -209,32 +225,38 @@ def plan_build(contexts: Iterable[Context], out_dir: str | os.PathLike, settings
         settings: from ``build_settings``.
         overwrite: find nothing up to date (rebuild everything).
         split: the run will split contexts that are too long (so recorded "too long" failures are retried).
+        storage_options: fsspec options when ``out_dir`` is a URL (``s3://bucket/packs``): its packs' headers are
+            then read by range (their checksum and declared size against the object's), not verified whole.
 
     Raises:
         InputError: ``out_dir`` cannot be created, is not a folder, or cannot be written.
     """
-    out = Path(out_dir)
-    _check_writable(out)
-    records = read_manifest(out)
+    out = storage.as_path(out_dir)
+    so = storage_options
+    _check_writable(out, so)
+    records = read_manifest(out, storage_options=so)
     trusted = model_id is not None and model_id.get("local") is True
     items = []
     for ctx in contexts:
-        item = _Item(ctx, out / ctx.pack)
+        item = _Item(ctx, storage.join(out, ctx.pack))
         if ctx.error is None and trusted and not overwrite:
             sha = _sha(ctx.text)
-            item.header = _recorded(out, records.get(ctx.pack), sha, settings, model_id)
+            item.header = _recorded(out, records.get(ctx.pack), sha, settings, model_id, so=so)
             if item.header is None:
-                item.parts = _recorded_parts(out, ctx, records, sha, settings, model_id)
+                item.parts = _recorded_parts(out, ctx, records, sha, settings, model_id, so)
             rec = records.get(ctx.pack)
             if not split and not item.parts and isinstance(rec, dict) and rec.get("status") == "failed" and rec.get(
                     "kind") == "too_long" and rec.get("source_sha256") == sha and rec.get("settings") == settings \
                     and rec.get("model") == model_id and isinstance(rec.get("error"), str):
                 item.known_failure = rec["error"]
         items.append(item)
-    return BuildPlan(out, settings, model_id, overwrite, items, records)
+    return BuildPlan(out, settings, model_id, overwrite, items, records, so)
 
 
-def _check_writable(out: Path) -> None:
+def _check_writable(out: Path | str, storage_options: dict | None = None) -> None:
+    if storage.is_url(out):  # create the folder where the backend has folders; read-only protocols are refused
+        storage.makedirs(out, storage_options)
+        return
     if out.exists() and not out.is_dir():
         raise InputError(f"the output path {out} is not a folder; pass another --out")
     try:
@@ -256,23 +278,23 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def _recorded(out: Path, record: dict | None, sha: str, settings: dict, model_id: dict, part: bool = False
-              ) -> PackHeader | None:
+def _recorded(out: Path | str, record: dict | None, sha: str, settings: dict, model_id: dict, part: bool = False,
+              so: dict | None = None) -> PackHeader | None:
     """The verified header of the pack ``record`` describes, if it is up to date (see ``plan_build``). A part's
     pack records its own text's hash, which only its record ties to the document's (``part``)."""
     if not isinstance(record, dict) or record.get("status") not in _DONE or record.get("source_sha256") != sha:
         return None
     if record.get("settings") != settings or record.get("model") != model_id:
         return None
-    header = _matching_header(out / record["pack"], None if part else sha, settings)
+    header = _matching_header(storage.join(out, record["pack"]), None if part else sha, settings, so)
     if header is None or (header.metadata.get("fingerprint") or {}).get("weights_sha256") != record.get(
             "weights_sha256") or header.file_bytes != record.get("bytes"):
         return None
     return header
 
 
-def _recorded_parts(out: Path, ctx: Context, records: dict, sha: str, settings: dict, model_id: dict
-                    ) -> list[tuple[Context, PackHeader]]:
+def _recorded_parts(out: Path | str, ctx: Context, records: dict, sha: str, settings: dict, model_id: dict,
+                    so: dict | None = None) -> list[tuple[Context, PackHeader]]:
     first = records.get(part_name(ctx.name, 1) + ".kvpack")
     n = first.get("parts") if isinstance(first, dict) else None
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 100_000:
@@ -282,7 +304,7 @@ def _recorded_parts(out: Path, ctx: Context, records: dict, sha: str, settings: 
         rec = records.get(part_name(ctx.name, k) + ".kvpack")
         if not isinstance(rec, dict) or rec.get("parts") != n or rec.get("part") != k:
             return []
-        header = _recorded(out, rec, sha, settings, model_id, part=True)
+        header = _recorded(out, rec, sha, settings, model_id, part=True, so=so)
         if header is None:
             return []
         found.append((Context(part_name(ctx.name, k), None, ctx.source, ctx.file, ctx.id, ctx.line, k, n), header))
@@ -297,13 +319,16 @@ def _header_settings(header: PackHeader) -> dict:
             "quant": quant, "zstd_level": header.zstd_level, "checksum": header.checksum}
 
 
-def _matching_header(path: Path, sha: str | None, settings: dict) -> PackHeader | None:
+def _matching_header(path: Path | str, sha: str | None, settings: dict, so: dict | None = None
+                     ) -> PackHeader | None:
     """The verified header of ``path`` if it holds a pack of the text with SHA-256 ``sha`` (any, if ``None``) built
-    with ``settings`` (model not compared), else ``None`` (missing, damaged or foreign files included)."""
-    if not path.is_file():
-        return None
+    with ``settings`` (model not compared), else ``None`` (missing, damaged or foreign files included). A local
+    pack is verified whole; a URL only by its header (range reads), so resuming against a remote store reads no
+    pack data."""
     try:
-        header = verify(path)
+        if not storage.is_file(path, so):
+            return None
+        header = read_header(path, storage_options=so) if storage.is_url(path) else verify(path)
     except KvpackError:
         return None  # damaged or foreign: rebuild it
     source = header.metadata.get("source")
@@ -318,7 +343,7 @@ def _matching_header(path: Path, sha: str | None, settings: dict) -> PackHeader 
 
 
 def run_build(plan: BuildPlan, model=None, tokenizer=None, *, split: bool = False, fail_fast: bool = False,
-              progress_factory: Callable[..., Any] | None = None) -> Iterator[BuildResult]:
+              progress_factory: Callable[..., Any] | None = None, manifest=None) -> Iterator[BuildResult]:
     """Build the planned contexts in order, yielding one ``BuildResult`` per context (per part when split).
 
     Contexts up to date in the plan are reported (and re-recorded) first in their place; the others are checked
@@ -338,6 +363,8 @@ def run_build(plan: BuildPlan, model=None, tokenizer=None, *, split: bool = Fals
         progress_factory: called once, when a context is to be built, as ``progress_factory(total=T)`` with ``T``
             the tokens of the contexts to build; must return an object with ``update(tokens)``, ``close()`` and
             ``set_description(str)`` (``tqdm.tqdm`` fits): the description names the context being built.
+        manifest: where the records go instead of ``plan.out``'s manifest: an object with ``write(record)``
+            (``kvpack.ray_build`` collects each actor's records and the driver writes them, in order).
 
     Raises:
         InputError: a model is needed but not given; the quantization does not fit the model's head size.
@@ -357,11 +384,12 @@ def run_build(plan: BuildPlan, model=None, tokenizer=None, *, split: bool = Fals
         prefix = len(layout.prefix_ids(tokenizer))
     model_id = plan.model_id if plan.model_id is not None else {"name": getattr(model, "kvpack_name", None)}
     run = _Run(plan, model, tokenizer, model_id, progress_factory)
-    with ManifestWriter(plan.out, plan.records) as manifest:
+    writer = ManifestWriter(plan.out, plan.records, storage_options=plan.storage_options) if manifest is None \
+        else contextlib.nullcontext(manifest)
+    with writer as manifest:
         run.manifest = manifest
         try:
-            todo = [it for it in plan.items if it.ctx.error is None and it.header is None and not it.parts
-                    and it.known_failure is None]
+            todo = [it for it in plan.items if item_needs_model(it)]
             sizes = {id(it): prefix + len(layout.encode_text(tokenizer, it.ctx.text)) for it in todo}
             for item in plan.items:
                 for result in run.item(item, sizes.get(id(item)), limit, split, layout, tokenizer, expected,
@@ -413,7 +441,8 @@ class _Run:
             return
         if item.parts:
             for part, header in item.parts:
-                yield self.result(part, self.plan.out / part.pack, "up_to_date", t0, sha, header=header)
+                yield self.result(part, storage.join(self.plan.out, part.pack), "up_to_date", t0, sha,
+                                  header=header)
             return
         if ctx.error is not None or item.known_failure is not None:
             kind = "too_long" if item.known_failure is not None else None
@@ -439,9 +468,9 @@ class _Run:
 
     def build_one(self, ctx: Context, sha: str, expected: dict, total: int, t0: float, tokens: int | None, layout,
                   tokenizer) -> BuildResult:
-        path = self.plan.out / ctx.pack
+        path, so = storage.join(self.plan.out, ctx.pack), self.plan.storage_options
         if not self.plan.overwrite:
-            header = _matching_header(path, _sha(ctx.text), self.plan.settings)
+            header = _matching_header(path, _sha(ctx.text), self.plan.settings, so)
             if header is not None and _comparable(header.metadata.get("fingerprint")) == expected:
                 return self.result(ctx, path, "up_to_date", t0, sha, header=header)
         if tokens is None:
@@ -450,7 +479,7 @@ class _Run:
             self.bar = self.progress_factory(total=total)
         if self.bar is not None and hasattr(self.bar, "set_description"):
             self.bar.set_description(ctx.name, refresh=True)
-        existed = path.exists()
+        existed = storage.is_file(path, so)
         tracker = _Progress(self.bar, tokens, stages=1 if self.plan.settings["ratio"] >= 1.0 else 2)
         s = self.plan.settings
         try:
@@ -458,8 +487,11 @@ class _Run:
                             chunk_size=s["chunk_size"], source_name=ctx.source_name, progress=tracker,
                             quant=s["quant"][0], group_size=s["quant"][1] or C.DEFAULT_GROUP_SIZE,
                             quant_layout=s["quant"][2] or C.DEFAULT_QUANT_LAYOUT, **s["options"])
-            path.parent.mkdir(parents=True, exist_ok=True)
-            written = save(pack, path, zstd_level=s["zstd_level"], checksum=s["checksum"])
+            if storage.is_url(path):
+                storage.makedirs(storage.parent_of(path), so)
+            else:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            written = save(pack, path, zstd_level=s["zstd_level"], checksum=s["checksum"], storage_options=so)
         except (KvpackError, OSError, torch.OutOfMemoryError) as exc:
             tracker.finish()
             return self.result(ctx, path, "failed", t0, sha, tokens=tokens, error=_reason(exc, path))
@@ -545,11 +577,12 @@ class _Progress:
 # checking
 
 
-def check_pack(path: str | os.PathLike, model=None, tokenizer=None) -> PackHeader:
+def check_pack(path: str | os.PathLike, model=None, tokenizer=None, *, storage_options: dict | None = None
+               ) -> PackHeader:
     """Check a ``.kvpack`` file's integrity (every length, offset and checksum) and, given a model, that it fits.
 
     Args:
-        path: the ``.kvpack`` file.
+        path: the ``.kvpack`` file (a local path or an fsspec URL; ``storage_options`` go to fsspec).
         model: if given, the pack's model fingerprint must match this model's (see ``check_compatible``).
         tokenizer: if given with ``model``, its hash must match too.
 
@@ -560,7 +593,7 @@ def check_pack(path: str | os.PathLike, model=None, tokenizer=None) -> PackHeade
         InputError, PackFormatError subclasses: as ``kvpack.fileformat.verify``.
         ModelMismatchError: the pack was built for another model; the message names both.
     """
-    header = verify(path)
+    header = verify(path, storage_options=storage_options)
     if model is not None:
         check_compatible(header, model, tokenizer, path=str(path))
     return header

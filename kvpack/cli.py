@@ -22,6 +22,7 @@ import click
 
 from . import __version__
 from . import constants as C
+from . import storage
 from .build import build_settings, check_compatible, default_out_dir, discover_contexts, plan_build, run_build
 from .build import summary as build_summary
 from .compress import DEFAULT_CHUNK_SIZE, DEFAULT_RATIO
@@ -72,6 +73,13 @@ def _set_threads(threads: int) -> None:
         import torch
 
         torch.set_num_threads(threads)
+
+
+def _storage_options(f):
+    return click.option("--storage-option", "storage_option", multiple=True, metavar="KEY=VALUE",
+                        help="fsspec option for URL paths (s3://, gs://, https://, ...), repeatable, passed to "
+                             "every URL's filesystem; VALUE is JSON or a string, dotted keys nest "
+                             "(endpoint_url=http://host:9000, anon=true, client_kwargs.region_name=eu-west-1).")(f)
 
 
 def _load(model: str | None, device: str, dtype: str):
@@ -139,8 +147,8 @@ def _method_params(method: str, given: dict) -> dict:
 @click.option("--ratio", type=click.FloatRange(0.0, 1.0, min_open=True), default=DEFAULT_RATIO, show_default=True,
               help="Fraction of the context's KV entries kept.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
-              help="Output folder [default: packs/ beside the first input: docs/ -> docs/../packs, "
-                   "docs/a.txt -> docs/packs].")
+              help="Output folder or URL (s3://bucket/packs, ...) [default: packs/ beside the first input: "
+                   "docs/ -> docs/../packs, docs/a.txt -> docs/packs].")
 @_model_options
 @click.option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE, show_default=True,
               help="Tokens per prefill and scoring chunk (bounds memory).")
@@ -164,9 +172,20 @@ def _method_params(method: str, given: dict) -> dict:
                                                 "and build the others].")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout (progress stays on stderr).")
 @_threads_option
+@_storage_options
+@click.option("--ray", "use_ray", is_flag=True,
+              help="Build with Ray Data actors (one model per actor) on this node or a cluster; needs "
+                   "pip install 'kvpack[ray]'. Same packs, names, manifest and skip rules as without it.")
+@click.option("--ray-address", default=None, metavar="ADDR",
+              help="With --ray: the cluster to join (auto, ray://HOST:10001) [default: a running one, else local].")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="With --ray: actors, each loading the model once [default: GPUs / --gpus-per-worker, or 1].")
+@click.option("--gpus-per-worker", type=click.FloatRange(min=0), default=0, show_default=True,
+              help="With --ray: GPUs reserved per actor (0: CPU actors).")
 @_method_options
 def build(inputs, model_name, method, ratio, out_dir, device, dtype, chunk_size, quant, group_size, zstd_level,
-          checksum, overwrite, split, fail_fast, as_json, threads, **method_options):
+          checksum, overwrite, split, fail_fast, as_json, threads, storage_option, use_ray, ray_address, workers,
+          gpus_per_worker, **method_options):
     """Compress each document in INPUT... into a .kvpack file; --out mirrors the input tree.
 
     INPUT is .txt/.md files (one document each: a/notes.txt -> OUT/a/notes.kvpack), .jsonl files (one document
@@ -179,17 +198,29 @@ def build(inputs, model_name, method, ratio, out_dir, device, dtype, chunk_size,
     options = _method_params(method, method_options)
     settings = build_settings(method=method, ratio=ratio, chunk_size=chunk_size, quant=quant,
                               group_size=int(group_size), zstd_level=zstd_level, checksum=checksum, **options)
-    contexts = discover_contexts(inputs)
-    out = Path(out_dir) if out_dir is not None else default_out_dir(inputs)
+    if not use_ray and (ray_address is not None or workers is not None or gpus_per_worker):
+        raise InputError("--ray-address, --workers and --gpus-per-worker need --ray")
+    so = storage.parse_storage_options(storage_option)
+    contexts = discover_contexts(inputs, storage_options=so)
+    out = storage.as_path(out_dir) if out_dir is not None else default_out_dir(inputs)
     model_id = model_identity(model_name, device=device, dtype=dtype)  # checks --model before anything loads
-    plan = plan_build(contexts, out, settings, model_id=model_id, overwrite=overwrite, split=split)
+    plan = plan_build(contexts, out, settings, model_id=model_id, overwrite=overwrite, split=split,
+                      storage_options=so)
     _set_threads(threads)
     model = tokenizer = None
     results, interrupted = [], False
     try:
-        if plan.needs_model:
-            model, tokenizer = _load(model_name, device, dtype)
-        for r in run_build(plan, model, tokenizer, split=split, fail_fast=fail_fast, progress_factory=_bar):
+        if use_ray:
+            from .ray_build import run_build_with_ray
+
+            runs = run_build_with_ray(plan, model_name=model_name, device=device, dtype=dtype, split=split,
+                                      fail_fast=fail_fast, workers=workers, gpus_per_worker=gpus_per_worker,
+                                      address=ray_address, threads=threads)
+        else:
+            if plan.needs_model:
+                model, tokenizer = _load(model_name, device, dtype)
+            runs = run_build(plan, model, tokenizer, split=split, fail_fast=fail_fast, progress_factory=_bar)
+        for r in runs:
             results.append(r)
     except KeyboardInterrupt:
         interrupted = True
@@ -228,23 +259,25 @@ def _bar(total: int):
 @cli.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False), metavar="FILE...")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per file (a list) instead of tables.")
-def info(files, as_json):
+@_storage_options
+def info(files, as_json, storage_option):
     """Describe .kvpack files: model, method, sizes, entries kept per layer.
 
     With several files, a bad one is reported (error: ...) and the others are described; the exit status is then 1.
     """
+    so = storage.parse_storage_options(storage_option)
     if len(files) == 1 and not as_json:
-        click.echo(info_text(files[0]))
+        click.echo(info_text(files[0], storage_options=so))
         return
     rows, failed = [], False
     for i, file in enumerate(files):
         try:
             if as_json:
-                load_pack(file)  # validates the whole file
-                rows.append({**describe_pack(file), "error": None})
+                load_pack(file, storage_options=so)  # validates the whole file
+                rows.append({**describe_pack(file, storage_options=so), "error": None})
             else:
                 click.echo(("\n" if i else "") + f"== {file}")
-                click.echo(info_text(file))
+                click.echo(info_text(file, storage_options=so))
         except KvpackError as exc:
             failed = True
             rows.append({"file": str(file), "error": str(exc)})
@@ -266,16 +299,19 @@ def info(files, as_json):
               help="Also check the packs fit this model (fingerprint and tokenizer).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON (a list, one object per file).")
 @_model_options
-def verify(files, model_name, as_json, device, dtype):
-    """Check .kvpack files' integrity (and, with --model, that they fit the model); exit status 1 if any fails."""
-    reports = [verify_report(f) for f in files]
+@_storage_options
+def verify(files, model_name, as_json, device, dtype, storage_option):
+    """Check .kvpack files' integrity (and, with --model, that they fit the model); exit status 1 if any fails.
+    FILE may be a URL."""
+    so = storage.parse_storage_options(storage_option)
+    reports = [verify_report(f, storage_options=so) for f in files]
     model = tokenizer = None
     if model_name is not None and any(r["ok"] for r in reports):
         model, tokenizer = _load(model_name, device, dtype)
     for r in reports:
         if r["ok"] and model is not None:
             try:
-                check_compatible(read_header(r["file"]), model, tokenizer, path=r["file"])
+                check_compatible(read_header(r["file"], storage_options=so), model, tokenizer, path=r["file"])
                 r["fits_model"] = model_name
             except KvpackError as exc:
                 r.update(ok=False, error=str(exc))
@@ -301,12 +337,13 @@ def verify(files, model_name, as_json, device, dtype):
 @cli.command(name="ls")
 @click.argument("folder", type=click.Path(file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per pack (a list).")
-def ls(folder, as_json):
+@_storage_options
+def ls(folder, as_json, storage_option):
     """List the packs under FOLDER (a build's --out): pack, source, method, ratio, tokens, bytes, model.
 
     Only headers are read (fast); use verify to check every checksum.
     """
-    rows = list_packs(folder)
+    rows = list_packs(folder, storage_options=storage.parse_storage_options(storage_option))
     if as_json:
         click.echo(json.dumps(rows, indent=1, ensure_ascii=False))
         return
@@ -341,13 +378,15 @@ def ls(folder, as_json):
               help="Print one JSON object per answer (JSON lines) with tokens, seconds, tokens/s and load time.")
 @_threads_option
 @_model_options
-def ask(file, questions, model_name, max_new_tokens, temperature, seed, as_json, threads, device, dtype):
+@_storage_options
+def ask(file, questions, model_name, max_new_tokens, temperature, seed, as_json, threads, device, dtype,
+        storage_option):
     """Answer each QUESTION about the document compressed in FILE, from one load, printing each as answered.
 
     A QUESTION of - reads questions from stdin, one per line (blank lines skipped).
     """
     t0 = time.perf_counter()
-    pack = load_pack(file)
+    pack = load_pack(file, storage_options=storage.parse_storage_options(storage_option))  # by range for a URL
     name = model_name if model_name is not None else model_for_pack(pack.metadata, where=str(file))
     _set_threads(threads)
     model, tokenizer = _load(name, device, dtype)

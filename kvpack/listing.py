@@ -14,13 +14,15 @@ from typing import Any
 
 from . import constants as C
 from .errors import InputError, KvpackError
+from . import storage
 from .fileformat import PackHeader, load_pack, read_header, verify
 from .manifest import read_manifest
 
 __all__ = ["describe_pack", "list_packs", "verify_report", "info_text", "table", "pairs"]
 
 
-def describe_pack(path: str | os.PathLike, header: PackHeader | None = None) -> dict[str, Any]:
+def describe_pack(path: str | os.PathLike, header: PackHeader | None = None, *,
+                  storage_options: dict | None = None) -> dict[str, Any]:
     """The facts of a pack's (validated) header: ``file``, ``format_version``, ``bytes`` (file size), ``checksum``,
     ``method``, ``method_params``, ``ratio`` (fraction of KV entries kept), ``tokens`` (cached sequence),
     ``sink_tokens``, ``entries_kept`` (all layers and KV heads), ``quant`` (type), ``group_size``, ``zstd_level``,
@@ -30,7 +32,7 @@ def describe_pack(path: str | os.PathLike, header: PackHeader | None = None) -> 
     Raises:
         PackFormatError subclasses, InputError: as ``kvpack.fileformat.read_header``.
     """
-    header = header if header is not None else read_header(path)
+    header = header if header is not None else read_header(path, storage_options=storage_options)
     meta = header.metadata
     fp = meta.get("fingerprint") if isinstance(meta.get("fingerprint"), dict) else {}
     source = meta.get("source") if isinstance(meta.get("source"), dict) else {}
@@ -45,8 +47,9 @@ def describe_pack(path: str | os.PathLike, header: PackHeader | None = None) -> 
     }
 
 
-def list_packs(folder: str | os.PathLike) -> list[dict[str, Any]]:
-    """``describe_pack`` of every ``.kvpack`` file under ``folder`` (recursively, sorted by path), with ``pack``
+def list_packs(folder: str | os.PathLike, *, storage_options: dict | None = None) -> list[dict[str, Any]]:
+    """``describe_pack`` of every ``.kvpack`` file under ``folder`` (a local folder or a URL, recursively, sorted by
+    path; hidden entries skipped; only headers are read, by range for a URL), with ``pack``
     (the path relative to ``folder``), ``source`` taken from the folder's build manifest when it records the pack
     (else the pack's own source name), and ``error`` (``None``, or why the header cannot be read; the other fields
     are then absent).
@@ -54,15 +57,15 @@ def list_packs(folder: str | os.PathLike) -> list[dict[str, Any]]:
     Raises:
         InputError: ``folder`` is not a folder.
     """
-    root = Path(folder)
-    if not root.is_dir():
+    root = storage.as_path(folder)
+    if not storage.is_dir(root, storage_options):
         raise InputError(f"{root}: not a folder; pass the folder a build wrote (its --out)")
-    records = read_manifest(root)
+    records = read_manifest(root, storage_options=storage_options)
     rows = []
-    for path in sorted(root.rglob(f"*{C.FILE_SUFFIX}"), key=lambda p: p.relative_to(root).parts):
-        rel = path.relative_to(root).as_posix()
+    for path, parts in storage.walk_files(root, (C.FILE_SUFFIX,), storage_options):
+        rel = "/".join(parts)
         try:
-            row = describe_pack(path)
+            row = describe_pack(path, storage_options=storage_options)
         except KvpackError as exc:
             rows.append({"pack": rel, "file": str(path), "error": str(exc)})
             continue
@@ -74,11 +77,12 @@ def list_packs(folder: str | os.PathLike) -> list[dict[str, Any]]:
     return rows
 
 
-def verify_report(path: str | os.PathLike) -> dict[str, Any]:
-    """Check every length, offset and checksum of ``path``: ``{"file", "ok", "error", "format_version", "bytes",
-    "checksum"}`` (the last three ``None`` when the file is bad). Never raises for a bad file."""
+def verify_report(path: str | os.PathLike, *, storage_options: dict | None = None) -> dict[str, Any]:
+    """Check every length, offset and checksum of ``path`` (a path or a URL): ``{"file", "ok", "error",
+    "format_version", "bytes", "checksum"}`` (the last three ``None`` when the file is bad). Never raises for a bad
+    file."""
     try:
-        header = verify(path)
+        header = verify(path, storage_options=storage_options)
     except KvpackError as exc:
         return {"file": str(path), "ok": False, "error": str(exc), "format_version": None, "bytes": None,
                 "checksum": None}
@@ -86,12 +90,12 @@ def verify_report(path: str | os.PathLike) -> dict[str, Any]:
             "bytes": header.file_bytes, "checksum": C.CHECKSUM_NAMES.get(header.checksum, header.checksum)}
 
 
-def info_text(file: str | os.PathLike) -> str:
+def info_text(file: str | os.PathLike, *, storage_options: dict | None = None) -> str:
     """The text ``kvpack info`` prints for ``file``: header facts, entries kept per layer, quantization errors,
     bytes by section. Raises as ``kvpack.fileformat.load_pack`` (the whole file is validated)."""
     out = []
-    pack = load_pack(file)  # validates the whole file
-    header = read_header(file)
+    pack = load_pack(file, storage_options=storage_options)  # validates the whole file
+    header = read_header(file, storage_options=storage_options)
     meta = header.metadata
     fp = meta.get("fingerprint") or {}
     stats = meta.get("stats") or {}

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable
 
+from . import storage
 from .errors import InputError
 from .names import PACK_SUFFIX, input_base, pack_names, part_name, relative_source
 
@@ -36,7 +38,7 @@ class Context:
         name: the pack's name relative to the output folder, a POSIX path without ``.kvpack`` (``a/notes``).
         text: the document's text (``None`` when ``error`` is set).
         source: the file's path relative to the mirrored input folder (``a/notes.txt``), POSIX.
-        file: the file it came from, as found on disk.
+        file: the file it came from (a ``Path``, or a URL string for a remote file).
         id: a jsonl line's ``id`` as a string (``None`` for ``.txt``/``.md`` files and lines without one).
         line: 1-based line number in a ``.jsonl`` file, ``None`` for ``.txt``/``.md``.
         part, parts: for a part of a split context, its 1-based number and the number of parts.
@@ -46,7 +48,7 @@ class Context:
     name: str
     text: str | None
     source: str
-    file: Path
+    file: Path | str
     id: str | None = None
     line: int | None = None
     part: int | None = None
@@ -75,7 +77,7 @@ class Context:
                 for k, t in enumerate(texts, start=1)]
 
 
-def discover_contexts(inputs: Iterable[str | os.PathLike]) -> list[Context]:
+def discover_contexts(inputs: Iterable[str | os.PathLike], *, storage_options: dict | None = None) -> list[Context]:
     """Read the contexts in ``inputs`` (files or folders), in a deterministic order, with mirrored pack names.
 
     Folders are walked recursively in sorted order; files and folders whose names start with ``.`` are ignored,
@@ -97,19 +99,22 @@ def discover_contexts(inputs: Iterable[str | os.PathLike]) -> list[Context]:
         InputError: no input; a path does not exist; an explicitly named file has an unsupported suffix; no
             supported file was found at all.
     """
-    inputs = [Path(i) for i in inputs]
+    inputs = [storage.as_path(i) for i in inputs]
     if not inputs:
         raise InputError("no input given; pass one or more .txt, .md or .jsonl files or folders holding them")
-    files: list[Path] = []
-    for path in inputs:
-        if path.is_dir():
-            files.extend(_walk(path))
-        elif path.is_file():
-            if path.suffix.lower() not in SUFFIXES:
-                raise InputError(f"{path}: unsupported file type {path.suffix or '(no suffix)'!r}; kvpack build "
+    so = storage_options
+    files: list[Path | str] = []
+    folders = [storage.is_dir(p, so) and not storage.is_file(p, so) for p in inputs]
+    for path, folder in zip(inputs, folders):
+        if folder:
+            files.extend(f for f, _ in storage.walk_files(path, SUFFIXES, so))
+        elif storage.is_file(path, so):
+            suffix = posixpath.splitext(storage.name_of(path))[1]
+            if suffix.lower() not in SUFFIXES:
+                raise InputError(f"{path}: unsupported file type {suffix or '(no suffix)'!r}; kvpack build "
                                  f"reads {', '.join(SUFFIXES)} files (convert it to .txt, or pass a folder)")
             files.append(path)
-        elif path.exists():
+        elif not storage.is_url(path) and path.exists():
             raise InputError(f"{path}: not a regular file or folder; pass .txt, .md or .jsonl files or folders")
         else:
             raise InputError(f"{path}: no such file or folder; check the path")
@@ -118,33 +123,29 @@ def discover_contexts(inputs: Iterable[str | os.PathLike]) -> list[Context]:
                          "pass files or folders that hold some")
     seen, unique = set(), []
     for f in files:  # a file named twice (or a file and its folder) counts once
-        if f.resolve() not in seen:
-            seen.add(f.resolve())
+        if _posix(f) not in seen:
+            seen.add(_posix(f))
             unique.append(f)
-    base = input_base([p.resolve().as_posix() for p in inputs], [p.is_dir() for p in inputs])
+    base = input_base([_posix(p) for p in inputs], folders)
     drafts: list[Context] = []
     for f in unique:
-        drafts.extend(_read_file(f, relative_source(base, f.resolve().as_posix())))
+        drafts.extend(_read_file(f, relative_source(base, _posix(f)), so))
     names = pack_names((c.source, None if c.line is None else (c.id if c.id is not None else str(c.line)))
                        for c in drafts)
     return [replace(c, name=n) for c, n in zip(drafts, names)]
 
 
-def _walk(folder: Path) -> list[Path]:
-    """Supported files under ``folder``, recursively, sorted by path; hidden entries skipped."""
-    found = []
-    for root, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for f in sorted(files):
-            if not f.startswith(".") and Path(f).suffix.lower() in SUFFIXES:
-                found.append(Path(root) / f)
-    return sorted(found, key=lambda p: p.relative_to(folder).parts)
+def _posix(path: Path | str) -> str:
+    """A URL as it is, a local path resolved, as POSIX (what ``kvpack.names`` compares)."""
+    return path if storage.is_url(path) else path.resolve().as_posix()
 
 
-def _read_text(path: Path) -> tuple[str | None, str | None]:
+def _read_text(path: Path | str, storage_options: dict | None = None) -> tuple[str | None, str | None]:
     """``(text, None)``, or ``(None, why it is not text)``."""
     try:
-        data = path.read_bytes()
+        data = storage.read_bytes(path, storage_options) if storage.is_url(path) else path.read_bytes()
+    except InputError as exc:
+        return None, str(exc)
     except OSError as exc:
         return None, f"cannot read the file: {exc.strerror or exc}; check the path and permissions"
     nul = data.find(b"\x00")
@@ -156,9 +157,9 @@ def _read_text(path: Path) -> tuple[str | None, str | None]:
         return None, f"not valid UTF-8 text (byte {exc.start}); save the file as UTF-8"
 
 
-def _read_file(path: Path, source: str) -> list[Context]:
-    text, error = _read_text(path)
-    jsonl = path.suffix.lower() == ".jsonl"
+def _read_file(path: Path | str, source: str, storage_options: dict | None = None) -> list[Context]:
+    text, error = _read_text(path, storage_options)
+    jsonl = storage.name_of(path).lower().endswith(".jsonl")
     if error is None and not (text or "").strip():
         error = "the file is empty; remove it or give it some text"
     if error is not None or not jsonl:

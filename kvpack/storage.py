@@ -41,7 +41,7 @@ from typing import Any, BinaryIO, Iterable
 from . import constants as C
 from .errors import InputError
 
-__all__ = ["is_url", "join", "name_of", "stem_of", "open_read", "read_bytes", "file_size", "is_file", "is_dir",
+__all__ = ["is_url", "as_path", "join", "parent_of", "name_of", "stem_of", "open_read", "read_bytes", "file_size", "is_file", "is_dir",
            "walk_files", "makedirs", "write_atomic", "write_method", "parse_storage_options"]
 
 #: Protocols whose writes are one whole-object put (no cheap rename; objects appear only once complete).
@@ -70,11 +70,21 @@ def _local(path: str | os.PathLike) -> str:
     return path[len("file://"):] if isinstance(path, str) and path.startswith("file://") else path
 
 
+def as_path(path: str | os.PathLike) -> str | Path:
+    """``path`` as kvpack handles it: a URL string unchanged, anything else (``file://`` URLs included) a ``Path``."""
+    return path if is_url(path) else Path(_local(path))
+
+
 def join(base: str | os.PathLike, *parts: str) -> str | Path:
     """``base`` joined with ``parts``: a ``Path`` for a local base, a ``/``-joined URL string otherwise."""
     if is_url(base):
         return posixpath.join(base.rstrip("/"), *parts)
     return Path(_local(base), *parts)
+
+
+def parent_of(path: str | os.PathLike) -> str | Path:
+    """The folder holding ``path``: a URL string for a URL, else a ``Path``."""
+    return posixpath.dirname(path.rstrip("/")) if is_url(path) else Path(_local(path)).parent
 
 
 def name_of(path: str | os.PathLike) -> str:
