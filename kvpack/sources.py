@@ -1,6 +1,6 @@
 """The contexts of ``kvpack build``: read files and folders into ``Context`` objects, never stopping at a bad one.
 
-    contexts = discover_contexts(["docs/"])     # .txt, .md: one context each; .jsonl: one per line
+    contexts = discover_contexts(["docs/"])     # .txt, .md: one context each; .jsonl, .parquet: one per line/row
     [c.name for c in contexts]                  # pack names mirroring the tree: ["a/notes", "data/q1", ...]
     [c.error for c in contexts]                 # None, or why the context cannot be built ("the file is empty")
 
@@ -25,7 +25,7 @@ from .names import PACK_SUFFIX, input_base, pack_names, part_name, relative_sour
 __all__ = ["SUFFIXES", "Context", "discover_contexts", "split_text"]
 
 #: File suffixes ``discover_contexts`` reads; other files inside folders are skipped.
-SUFFIXES = (".txt", ".md", ".jsonl")
+SUFFIXES = (".txt", ".md", ".jsonl", ".parquet")
 _JSONL_HINT = 'each line must be one JSON object like {"id": "doc1", "text": "..."}'
 _PARAGRAPH_END = re.compile(r"\n[ \t]*\n\s*")
 
@@ -81,23 +81,27 @@ def discover_contexts(inputs: Iterable[str | os.PathLike], *, storage_options: d
     """Read the contexts in ``inputs`` (files or folders), in a deterministic order, with mirrored pack names.
 
     Folders are walked recursively in sorted order; files and folders whose names start with ``.`` are ignored,
-    as are files with a suffix other than ``.txt``, ``.md`` and ``.jsonl``. Inputs are taken in the order given;
+    as are files with a suffix other than ``.txt``, ``.md``, ``.jsonl`` and ``.parquet``. Inputs are taken in the order given;
     a file reached twice (named, and inside a named folder) is read once. Names follow ``kvpack.names``: relative
     to the one folder input (or the inputs' common parent), a jsonl file's lines under a folder named after it.
 
     * ``.txt``, ``.md``: the whole file (UTF-8) is one context.
     * ``.jsonl``: one JSON object per non-blank line, with a string ``"text"`` and an optional ``"id"`` (string or
       integer; without one the line number names the pack).
+    * ``.parquet`` (needs pyarrow, e.g. from ``kvpack[ray]``): one context per row, from a string column ``text``
+      and an optional ``id`` column, as a jsonl line (``line`` is the 1-based row number). Only those two
+      columns are read, by range for a URL (the footer, then their column chunks).
 
     A context that cannot be built gets ``error`` (the file is empty, holds NUL bytes, is not UTF-8 or cannot be
-    read; a jsonl line is not an object with a non-empty string ``text`` or has a bad ``id``); the rest are read.
+    read; a jsonl line or Parquet row has no non-empty string ``text`` or a bad ``id``; a Parquet file cannot be
+    read or has no ``text`` column); the rest are read.
 
     Returns:
         The contexts, at least one.
 
     Raises:
         InputError: no input; a path does not exist; an explicitly named file has an unsupported suffix; no
-            supported file was found at all.
+            supported file was found at all; a ``.parquet`` file was found but pyarrow is not installed.
     """
     inputs = [storage.as_path(i) for i in inputs]
     if not inputs:
@@ -158,6 +162,13 @@ def _read_text(path: Path | str, storage_options: dict | None = None) -> tuple[s
 
 
 def _read_file(path: Path | str, source: str, storage_options: dict | None = None) -> list[Context]:
+    if storage.name_of(path).lower().endswith(".parquet"):
+        rows, error = _parquet_rows(path, storage_options)
+        if error is None and not rows:
+            error = 'no rows; remove the file or give it rows with a string column "text"'
+        if error is not None:
+            return [Context("", None, source, path, error=error)]
+        return [_row_context(obj, source, path, number) for number, obj in enumerate(rows, start=1)]
     text, error = _read_text(path, storage_options)
     jsonl = storage.name_of(path).lower().endswith(".jsonl")
     if error is None and not (text or "").strip():
@@ -178,6 +189,11 @@ def _jsonl_line(line: str, source: str, path: Path, number: int) -> Context:
     except json.JSONDecodeError as exc:
         return Context("", None, source, path, line=number,
                        error=f"not valid JSON ({exc.msg} at column {exc.colno}); {_JSONL_HINT}")
+    return _row_context(obj, source, path, number)
+
+
+def _row_context(obj, source: str, path: Path | str, number: int) -> Context:
+    """The context of a parsed jsonl line or a Parquet row (``{"text": ..., "id": ...}``), number ``number``."""
     ident = obj.get("id") if isinstance(obj, dict) else None
     bad_id = ident is not None and (isinstance(ident, bool) or not isinstance(ident, (str, int)) or str(ident) == "")
     ident = None if ident is None or bad_id else str(ident)
@@ -189,6 +205,30 @@ def _jsonl_line(line: str, source: str, path: Path, number: int) -> Context:
     elif not obj["text"].strip():
         error = 'the "text" field is empty; give it some text or remove the line'
     return Context("", None if error else obj["text"], source, path, id=ident, line=number, error=error)
+
+
+def _parquet_rows(path: Path | str, storage_options: dict | None) -> tuple[list[dict], str | None]:
+    """``(rows, None)``: the ``text`` and ``id`` columns of a Parquet file as dicts, or ``([], why not)``.
+
+    Raises ``InputError`` when pyarrow is missing (an install problem, not a bad file)."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise InputError(f"{path}: reading .parquet files needs pyarrow (pip install pyarrow; kvpack[ray] has it), "
+                         "or convert the file to .jsonl") from None
+    try:
+        with storage.open_read(path, storage_options) as f:
+            parquet = pq.ParquetFile(f)
+            names = parquet.schema_arrow.names
+            if "text" not in names:
+                return [], (f'no "text" column (columns: {", ".join(names)}); give the Parquet file a string '
+                            'column "text" (and optionally "id")')
+            return parquet.read(columns=[c for c in ("id", "text") if c in names]).to_pylist(), None
+    except InputError as exc:
+        return [], str(exc)
+    except (pa.ArrowException, OSError) as exc:
+        return [], f"not a readable Parquet file ({str(exc)[:200]}); check the file"
 
 
 def split_text(text: str, fits: Callable[[str], bool]) -> list[str]:

@@ -8,6 +8,8 @@ import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import pytest
+
 
 @dataclass
 class Traffic:
@@ -116,13 +118,52 @@ class MotoS3:
         self.thread.start()
         self.options = {"endpoint_url": self.endpoint, "key": "testing", "secret": "testing",
                         "client_kwargs": {"region_name": "eu-west-1"}, "use_listings_cache": False,
-                        "skip_instance_cache": True, "config_kwargs": {"retries": {"max_attempts": 1}}}
+                        "config_kwargs": {"retries": {"max_attempts": 1}}}
 
     def make_bucket(self, name: str) -> None:
         import s3fs
 
-        s3fs.S3FileSystem(**self.options).mkdir(name)
+        try:
+            s3fs.S3FileSystem(**self.options).mkdir(name)
+        except FileExistsError:  # moto keeps its buckets per process, across servers
+            pass
 
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+# fixtures: import them into a test module (``from .servers import clean_memory, http, s3``)
+
+
+@pytest.fixture(autouse=False)
+def clean_memory():
+    """fsspec's ``memory://`` filesystem, emptied before and after the test."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fs.store.clear()
+    fs.pseudo_dirs[:] = [""]
+    yield fs
+    fs.store.clear()
+    fs.pseudo_dirs[:] = [""]
+
+
+@pytest.fixture(scope="module")
+def http():
+    """An ``HttpFiles`` server for the module; skipped without aiohttp (fsspec's http backend)."""
+    pytest.importorskip("aiohttp")
+    server = HttpFiles()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A ``MotoS3`` server for the module, with a bucket ``packs``; skipped without moto or s3fs."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    server = MotoS3()
+    server.make_bucket("packs")
+    yield server
+    server.stop()

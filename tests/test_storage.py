@@ -13,41 +13,19 @@ from kvpack import storage
 from kvpack.errors import InputError, TruncatedFileError
 from kvpack.fileformat import load_pack, pack_to_bytes, read_header, verify
 
-from .servers import HttpFiles, MotoS3
+from .servers import clean_memory, http, s3  # noqa: F401 (fixtures)
 from .tiny import TEXT, tiny_model
 
 
 @pytest.fixture(autouse=True)
-def clean_memory():
-    fs = fsspec.filesystem("memory")
-    fs.store.clear()
-    fs.pseudo_dirs[:] = [""]
+def _empty_memory(clean_memory):
     yield
-    fs.store.clear()
-    fs.pseudo_dirs[:] = [""]
 
 
 @pytest.fixture(scope="module")
 def pack():
     model, tok = tiny_model("llama")
     return kvpack.compress(model, tok, TEXT[:220], method="kvzip", ratio=0.5)
-
-
-@pytest.fixture(scope="module")
-def http():
-    server = HttpFiles()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def s3():
-    pytest.importorskip("s3fs")
-    pytest.importorskip("moto")
-    server = MotoS3()
-    server.make_bucket("packs")
-    yield server
-    server.stop()
 
 
 def _same_pack(a, b) -> None:
@@ -67,6 +45,7 @@ def test_urls_are_told_from_local_paths():
     assert not storage.is_url("C:\\docs\\a.txt")
     assert storage.join("s3://b/out/", "sub", "a.kvpack") == "s3://b/out/sub/a.kvpack"
     assert storage.join("out", "a.kvpack") == Path("out") / "a.kvpack"
+    assert storage.as_path("file:///tmp/a.txt") == Path("/tmp/a.txt") and storage.as_path("s3://b/k") == "s3://b/k"
     assert storage.name_of("s3://b/docs/notes.md") == "notes.md" and storage.stem_of("s3://b/docs/notes.md") == "notes"
 
 
