@@ -14,7 +14,8 @@ from kvpack.fileformat import read_header
 
 from .servers import clean_memory, http, s3  # noqa: F401 (fixtures)
 from .test_cli import _run
-from .tiny import TEXT, tiny_model
+from .test_cli_batch import llama  # noqa: F401 (fixture: the tiny llama saved to a folder)
+from .tiny import TEXT
 
 DOCS = {"alpha.txt": TEXT[:150], "sub/beta.md": "# Log\n" + TEXT[150:270],
         "gamma.jsonl": json.dumps({"id": "q1", "text": TEXT[200:320]}) + "\n"}
@@ -27,22 +28,13 @@ def _empty_memory(clean_memory):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("models") / "llama"
-    model, tok = tiny_model("llama")
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
-def local(model_dir, tmp_path_factory):
+def local(llama, tmp_path_factory):
     """The same documents built locally: name -> bytes of each pack."""
     root = tmp_path_factory.mktemp("local")
     for name, text in DOCS.items():
         (root / "docs" / name).parent.mkdir(parents=True, exist_ok=True)
         (root / "docs" / name).write_text(text, encoding="utf-8")
-    _run(["build", str(root / "docs"), "--out", str(root / "packs"), "--model", model_dir, "--chunk-size", "64"])
+    _run(["build", str(root / "docs"), "--out", str(root / "packs"), "--model", llama, "--chunk-size", "64"])
     return {p: (root / "packs" / p).read_bytes() for p in PACKS}
 
 
@@ -93,39 +85,39 @@ def test_a_parquet_dataset_of_texts_by_url_gives_one_context_per_row(tmp_path):
     assert "not a readable Parquet file" in bad[1].error and bad[1].text is None
 
 
-def test_build_from_and_to_memory_writes_the_local_bytes_and_info_verify_ask_read_them(model_dir, local):
+def test_build_from_and_to_memory_writes_the_local_bytes_and_info_verify_ask_read_them(llama, local):
     _put_docs("memory://corpus/docs")
-    result = _run(["build", "memory://corpus/docs", "--out", "memory://corpus/packs", "--model", model_dir,
+    result = _run(["build", "memory://corpus/docs", "--out", "memory://corpus/packs", "--model", llama,
                    "--chunk-size", "64"])
     assert "3 packs in memory://corpus/packs: 3 built, 0 up to date, 0 replaced, 0 failed" in result.output
     for p in PACKS:
         assert storage.read_bytes(f"memory://corpus/packs/{p}") == local[p]
     info = _run(["info", "memory://corpus/packs/alpha.kvpack"])
     assert "memory://corpus/packs/alpha.kvpack" in info.output and "alpha.txt" in info.output
-    ok = _run(["verify", "memory://corpus/packs/sub/beta.kvpack", "--model", model_dir])
+    ok = _run(["verify", "memory://corpus/packs/sub/beta.kvpack", "--model", llama])
     assert "is intact" in ok.output and "fits model" in ok.output
-    answer = _run(["ask", "memory://corpus/packs/alpha.kvpack", "What is this?", "--model", model_dir,
+    answer = _run(["ask", "memory://corpus/packs/alpha.kvpack", "What is this?", "--model", llama,
                    "--max-new-tokens", "4"])
     assert answer.output.strip()
     listed = json.loads(_run(["ls", "memory://corpus/packs", "--json"]).stdout)
     assert sorted(r["pack"] for r in listed) == PACKS
-    again = _run(["build", "memory://corpus/docs", "--out", "memory://corpus/packs", "--model", model_dir,
+    again = _run(["build", "memory://corpus/docs", "--out", "memory://corpus/packs", "--model", llama,
                   "--chunk-size", "64"])
     assert "0 built, 3 up to date, 0 replaced, 0 failed" in again.output
     assert len(storage.read_bytes(f"memory://corpus/packs/{MANIFEST_NAME}").splitlines()) == 3
 
 
-def test_build_to_s3_then_resume_reads_only_headers(model_dir, local, s3):
+def test_build_to_s3_then_resume_reads_only_headers(llama, local, s3):
     _put_docs("s3://packs/docs", s3.options)
     flags = _flags(s3.options)
     out = "s3://packs/run1"
-    result = _run(["build", "s3://packs/docs", "--out", out, "--model", model_dir, "--chunk-size", "64", *flags])
+    result = _run(["build", "s3://packs/docs", "--out", out, "--model", llama, "--chunk-size", "64", *flags])
     assert "3 built, 0 up to date" in result.output
     for p in PACKS:
         assert storage.read_bytes(f"{out}/{p}", s3.options) == local[p]
     headers = sum(read_header(f"{out}/{p}", storage_options=s3.options).header_bytes for p in PACKS)
     s3.traffic.reset()
-    again = _run(["build", "s3://packs/docs", "--out", out, "--model", model_dir, "--chunk-size", "64", *flags])
+    again = _run(["build", "s3://packs/docs", "--out", out, "--model", llama, "--chunk-size", "64", *flags])
     assert "0 built, 3 up to date" in again.output
     pack_gets = [r for r in s3.traffic.gets() if r[1].endswith(".kvpack")]
     assert pack_gets and all(rng is not None for _, _, rng in pack_gets)  # range reads only
@@ -136,19 +128,19 @@ def test_build_to_s3_then_resume_reads_only_headers(model_dir, local, s3):
     assert s3.traffic.sent < sum(len(b) for b in local.values()) / 2
 
 
-def test_ask_reads_a_pack_served_over_http(model_dir, local, http):
+def test_ask_reads_a_pack_served_over_http(llama, local, http):
     http.files["/packs/alpha.kvpack"] = local["alpha.kvpack"]
     http.traffic.reset()
-    answer = _run(["ask", f"{http.url}/packs/alpha.kvpack", "What is this?", "--model", model_dir,
+    answer = _run(["ask", f"{http.url}/packs/alpha.kvpack", "What is this?", "--model", llama,
                    "--max-new-tokens", "4"])
     assert answer.output.strip()
     assert all(rng is not None for _, _, rng in http.traffic.gets())  # no whole-file GET
     assert http.traffic.sent <= len(local["alpha.kvpack"]) + 64
 
 
-def test_bad_storage_options_and_read_only_out_are_one_line_errors(model_dir, http):
+def test_bad_storage_options_and_read_only_out_are_one_line_errors(llama, http):
     http.files["/docs/a.txt"] = TEXT[:100].encode()
     bad = _run(["info", "memory://x.kvpack", "--storage-option", "novalue"], code=1)
     assert bad.output.startswith("error: --storage-option 'novalue': expected KEY=VALUE")
-    ro = _run(["build", f"{http.url}/docs/a.txt", "--out", f"{http.url}/packs", "--model", model_dir], code=1)
+    ro = _run(["build", f"{http.url}/docs/a.txt", "--out", f"{http.url}/packs", "--model", llama], code=1)
     assert "read-only" in ro.output and ro.output.count("error:") == 1
