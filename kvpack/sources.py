@@ -80,10 +80,11 @@ class Context:
 def discover_contexts(inputs: Iterable[str | os.PathLike], *, storage_options: dict | None = None) -> list[Context]:
     """Read the contexts in ``inputs`` (files or folders), in a deterministic order, with mirrored pack names.
 
-    Folders are walked recursively in sorted order; files and folders whose names start with ``.`` are ignored,
-    as are files with a suffix other than ``.txt``, ``.md``, ``.jsonl`` and ``.parquet``. Inputs are taken in the order given;
-    a file reached twice (named, and inside a named folder) is read once. Names follow ``kvpack.names``: relative
-    to the one folder input (or the inputs' common parent), a jsonl file's lines under a folder named after it.
+    Folders are walked recursively in sorted order; files and folders whose names start with ``.`` are ignored, as
+    are files with a suffix other than ``.txt``, ``.md``, ``.jsonl`` and ``.parquet``. Inputs are taken in the order
+    given; a file reached twice (named, and inside a named folder) is read once. Names follow ``kvpack.names``:
+    relative to the one folder input (or the inputs' common parent), a jsonl file's lines under a folder named after
+    it.
 
     * ``.txt``, ``.md``: the whole file (UTF-8) is one context.
     * ``.jsonl``: one JSON object per non-blank line, with a string ``"text"`` and an optional ``"id"`` (string or
@@ -105,7 +106,7 @@ def discover_contexts(inputs: Iterable[str | os.PathLike], *, storage_options: d
     """
     inputs = [storage.as_path(i) for i in inputs]
     if not inputs:
-        raise InputError("no input given; pass one or more .txt, .md or .jsonl files or folders holding them")
+        raise InputError("no input given; pass one or more .txt, .md, .jsonl or .parquet files or folders holding them")
     so = storage_options
     files: list[Path | str] = []
     folders = [storage.is_dir(p, so) and not storage.is_file(p, so) for p in inputs]
@@ -119,11 +120,12 @@ def discover_contexts(inputs: Iterable[str | os.PathLike], *, storage_options: d
                                  f"reads {', '.join(SUFFIXES)} files (convert it to .txt, or pass a folder)")
             files.append(path)
         elif not storage.is_url(path) and path.exists():
-            raise InputError(f"{path}: not a regular file or folder; pass .txt, .md or .jsonl files or folders")
+            raise InputError(f"{path}: not a regular file or folder; pass .txt, .md, .jsonl or .parquet files or "
+                             "folders")
         else:
             raise InputError(f"{path}: no such file or folder; check the path")
     if not files:
-        raise InputError(f"no .txt, .md or .jsonl files found in {', '.join(str(i) for i in inputs)}; "
+        raise InputError(f"no .txt, .md, .jsonl or .parquet files found in {', '.join(str(i) for i in inputs)}; "
                          "pass files or folders that hold some")
     seen, unique = set(), []
     for f in files:  # a file named twice (or a file and its folder) counts once

@@ -41,8 +41,8 @@ from typing import Any, BinaryIO, Iterable
 from . import constants as C
 from .errors import InputError
 
-__all__ = ["is_url", "as_path", "join", "parent_of", "name_of", "stem_of", "open_read", "read_bytes", "file_size", "is_file", "is_dir",
-           "walk_files", "makedirs", "write_atomic", "write_method", "parse_storage_options"]
+__all__ = ["is_url", "as_path", "join", "parent_of", "name_of", "stem_of", "open_read", "read_bytes", "file_size",
+           "is_file", "is_dir", "walk_files", "makedirs", "write_atomic", "write_method", "parse_storage_options"]
 
 #: Protocols whose writes are one whole-object put (no cheap rename; objects appear only once complete).
 OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2", "tos", "cos",

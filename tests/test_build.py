@@ -125,7 +125,7 @@ def test_discover_errors_and_bad_files(tmp_path):
         discover_contexts([tmp_path / "doc.pdf"])
     with pytest.raises(InputError, match="nope: no such file or folder"):
         discover_contexts([tmp_path / "nope"])
-    with pytest.raises(InputError, match="no .txt, .md or .jsonl files found"):
+    with pytest.raises(InputError, match="no .txt, .md, .jsonl or .parquet files found"):
         discover_contexts([tmp_path])  # only the pdf, which a folder walk skips
     with pytest.raises(InputError, match="no input given"):
         discover_contexts([])

@@ -73,7 +73,8 @@ def test_a_parquet_dataset_of_texts_by_url_gives_one_context_per_row(tmp_path):
     storage.write_atomic("memory://corpus/set.parquet", (tmp_path / "set.parquet").read_bytes())
     ctxs = discover_contexts(["memory://corpus/set.parquet"])  # as jsonl lines: under a folder named after the file
     assert [(c.name, c.text, c.id, c.line, c.error) for c in ctxs] == [
-        ("set/a", TEXT[:50], "a", 1, None), ("set/b", TEXT[50:90], "b", 2, None), ("set/3", TEXT[90:120], None, 3, None)]
+        ("set/a", TEXT[:50], "a", 1, None), ("set/b", TEXT[50:90], "b", 2, None),
+        ("set/3", TEXT[90:120], None, 3, None)]
     assert ctxs[0].source_name == "set.parquet:1"
     local = discover_contexts([tmp_path / "set.parquet"])
     assert [(c.name, c.text, c.line, c.file) for c in local] == [

@@ -2,12 +2,12 @@
 """Time ``kvpack build`` serial against ``kvpack build --ray --workers N`` on the same documents.
 
 Each run is the real command line in a fresh process, timed wall-clock from start to exit, so the serial figure
-includes one model load and the Ray figure includes starting a local Ray, its actors and one model load per
-actor. Serial and Ray runs are interleaved (serial, Ray, serial, Ray, ...) into fresh output folders, and every
-Ray run's packs (every ``*.kvpack`` under ``--out``; the manifest holds timings, so it is left out) are compared
-byte for byte with the serial run's. ``--threads N`` gives both modes N torch threads (serial: the process; Ray:
-each actor); without it the serial build uses torch's default and each one-CPU actor one thread, and the thread
-count changes float results, so bytes then match only where the defaults agree. Models: the embedded reference model and a
+includes one model load and the Ray figure includes starting a local Ray, its actors and one model load per actor.
+Serial and Ray runs are interleaved (serial, Ray, serial, Ray, ...) into fresh output folders, and every Ray run's
+packs (every ``*.kvpack`` under ``--out``; the manifest holds timings, so it is left out) are compared byte for byte
+with the serial run's. ``--threads N`` gives both modes N torch threads (serial: the process; Ray: each actor);
+without it the serial build uses torch's default and each one-CPU actor one thread, and the thread count changes
+float results, so bytes then match only where the defaults agree. Models: the embedded reference model and a
 Qwen2.5-0.5B-shaped one (24 layers, hidden 896, 14 query / 2 KV heads, MLP 4864; random weights) made by
 ``tools/make_shape_model.py qwen2.5-0.5b`` when that tool exists, else built here from the same shape (with the
 reference tokenizer's 4096-entry vocabulary, so the embedding is smaller than the real model's).
