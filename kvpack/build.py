@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable
 from . import constants as C
 from .compress import DEFAULT_CHUNK_SIZE, DEFAULT_RATIO, compress
 from .errors import InputError, KvpackError
+from .container import remove_stale_temps
 from .fileformat import PackHeader, check_storage_args, save, verify
 from .fingerprint import check_fingerprint, model_fingerprint
 from .layout import chat_layout
@@ -292,6 +293,7 @@ def build(contexts: Iterable[Context], model, tokenizer, *, out_dir: str | os.Pa
         raise InputError(f"cannot create the output folder {out}: {exc.strerror or exc}; pass another --out") from None
     if not out.is_dir():
         raise InputError(f"the output path {out} is not a folder; pass another --out")
+    remove_stale_temps(out)  # temporary files of saves killed in an earlier run (never a live writer's)
 
     # plan: which files are up to date, and how many tokens each context is
     layout = chat_layout(tokenizer)
@@ -321,7 +323,7 @@ def build(contexts: Iterable[Context], model, tokenizer, *, out_dir: str | os.Pa
             tracker = _Progress(bar, tokens, stages=1 if ratio >= 1.0 else 2)
             pack = compress(model, tokenizer, ctx.text, method=method, ratio=ratio, chunk_size=chunk_size,
                             source_name=ctx.source_name, progress=tracker, quant=quant, group_size=group_size,
-                            quant_layout=expected["quant"][2], **options)
+                            **options)
             written = save(pack, path, zstd_level=zstd_level, checksum=checksum)
             tracker.finish()
             results.append(BuildResult(ctx.name, path, pack.original_tokens, pack.kept_entries(), written,
@@ -351,15 +353,8 @@ def _storage_settings(model, quant: str, group_size: int, zstd_level: int, check
         spec = model_spec(model)
         check_quant_args(quant, group_size, spec.head_dim, spec.head_dim, allowed_group_sizes=C.GROUP_SIZES)
     check_storage_args(zstd_level, checksum)
-    layout = quant_layout_for(checksum)
-    return {"quant": (quant, group_size, layout) if quant != C.QUANT_NONE else (C.QUANT_NONE, None, None),
+    return {"quant": (quant, group_size) if quant != C.QUANT_NONE else (C.QUANT_NONE, None),
             "zstd_level": zstd_level, "checksum": checksum}
-
-
-def quant_layout_for(checksum: str) -> str:
-    """The quantized layout a build writes: compact (format version 5) with XXH3-128 checksums; KIVI (version 2)
-    with SHA-256 ones, which ask for files that readers older than version 4 take."""
-    return C.QUANT_LAYOUT_COMPACT if checksum == C.CHECKSUM_XXH3 else C.QUANT_LAYOUT_KIVI
 
 
 def _comparable(fingerprint: Any) -> dict:
@@ -384,7 +379,7 @@ def _up_to_date(path: Path, text: str, expected: dict) -> PackHeader | None:
         return None
     if _comparable(meta.get("fingerprint")) != expected["fingerprint"]:
         return None
-    stored = (header.quant_type, header.group_size, header.quant_layout)
+    stored = (header.quant_type, header.group_size)
     if stored != expected["quant"] or header.zstd_level != expected["zstd_level"]:
         return None
     if header.checksum != expected["checksum"]:

@@ -127,17 +127,16 @@ def _method_params(method: str, given: dict) -> dict:
 @click.option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE, show_default=True,
               help="Tokens per prefill and scoring chunk (bounds memory).")
 @click.option("--quant", type=click.Choice(C.QUANT_CHOICES), default=C.QUANT_NONE, show_default=True,
-              help="Quantize the kept KV: keys per channel, values per token (KIVI grouping); the attention sink "
-                   "stays in full precision. With --checksum xxh3 the compact layout (format v5: key code widths "
-                   "per channel chosen from the context's queries, 8-bit group parameters); with sha256 the "
-                   "KIVI layout of format v2.")
+              help="Quantize the kept KV: keys per channel, values per token (KIVI grouping) in the compact layout "
+                   "(key code widths per channel chosen from the context's queries, 8-bit group parameters); the "
+                   "attention sink stays in full precision.")
 @click.option("--group-size", type=click.Choice([str(g) for g in C.GROUP_SIZES]), default=str(C.DEFAULT_GROUP_SIZE),
               show_default=True, help="Quantization group: tokens per key scale, channels per value scale (at most head_dim).")
 @click.option("--zstd-level", type=click.IntRange(0, C.ZSTD_MAX_LEVEL), default=C.DEFAULT_ZSTD_LEVEL,
               show_default=True, help="zstd-compress each tensor at this level (0: off).")
 @click.option("--checksum", type=click.Choice(C.CHECKSUMS), default=C.DEFAULT_CHECKSUM, show_default=True,
               help="Tensor checksum: xxh3 (XXH3-128, fast to verify; detects damage, not tampering) or sha256 "
-                   "(cryptographic; files readable by kvpack 0.1: v1 with --quant none --zstd-level 0, else v2).")
+                   "(cryptographic, about 25x slower to verify).")
 @click.option("--overwrite", is_flag=True, help="Rebuild packs that are already up to date (a pack built with other "
                                                 "settings is always rebuilt and replaced).")
 @_method_options
@@ -190,7 +189,7 @@ def info(file):
     sliding = fp.get("sliding_layers") or []
     rows = [
         ("file", str(file)),
-        ("format", f"kvpack v{header.format_version}, {header.file_bytes:,} bytes, tensor checksums "
+        ("format", f"kvpack {header.format_version}, {header.file_bytes:,} bytes, tensor checksums "
                    f"{C.CHECKSUM_NAMES[header.checksum]}"),
         ("kvpack version", str(meta.get("kvpack_version", "?"))),
         ("model", str(fp.get("name") or "?")),
@@ -257,8 +256,6 @@ def _quantization(header, pack) -> str:
     import torch
 
     head = f"{header.quant_type}, group size {header.group_size}"
-    if header.quant_layout != C.QUANT_LAYOUT_COMPACT:
-        return f"{head}, KIVI layout (keys per channel, values per token; sink and residual rows in full precision)"
     widths = torch.cat([l.quant.key_bits.reshape(-1) for l in pack.layers if l.quant is not None]).long()
     counts = torch.bincount(widths, minlength=C.MAX_KEY_BITS + 1)
     used = [(b, int(n)) for b, n in enumerate(counts.tolist()) if n]
