@@ -368,39 +368,53 @@ def _digest(checksum: str):
     return xxhash.xxh3_128() if checksum == C.CHECKSUM_XXH3 else hashlib.sha256()
 
 
-def check_tensor(src: Source, box: Container, tname: str) -> None:
-    """Stream tensor ``tname``'s stored bytes through its checksum, ``READ_CHUNK_BYTES`` at a time.
+def check_tensor(src: Source, box: Container, tname: str, data: np.ndarray | None = None) -> None:
+    """Stream tensor ``tname``'s stored bytes through its checksum, ``READ_CHUNK_BYTES`` at a time (read from the
+    file, or taken from ``data``, the stored bytes already mapped or read).
 
     Raises:
         ChecksumMismatchError: naming the tensor and the algorithm.
     """
     info = box.tensors[tname]
     h = _digest(box.checksum)
-    buf = np.empty(min(C.READ_CHUNK_BYTES, info.nbytes), dtype=np.uint8)
-    begin = box.header_bytes + info.offsets[0]
-    for at in range(0, info.nbytes, len(buf) or 1):
-        piece = buf[: min(len(buf), info.nbytes - at)]
-        src.readinto(begin + at, piece)
-        h.update(piece)
+    step = C.READ_CHUNK_BYTES
+    if data is not None:
+        for at in range(0, info.nbytes, step):
+            h.update(data[at : at + step])
+    else:
+        buf = np.empty(min(step, info.nbytes), dtype=np.uint8)
+        begin = box.header_bytes + info.offsets[0]
+        for at in range(0, info.nbytes, step):
+            piece = buf[: min(step, info.nbytes - at)]
+            src.readinto(begin + at, piece)
+            h.update(piece)
     if h.hexdigest() != box.sums[tname]:
         raise ChecksumMismatchError(f"{src.name}: section {tname!r} (tensor {tname!r}) does not match its "
                                     f"{C.CHECKSUM_NAMES[box.checksum]}: the file was altered or damaged; {RECOPY}")
 
 
 def tensor_bytes(src: Source, box: Container, tname: str, keep: bool = True) -> np.ndarray | None:
-    """Tensor ``tname``'s decoded bytes, uint8 ``[raw bytes]`` (writable; a raw tensor of a path is a copy-on-write
-    memory map), after ``check_tensor``. With ``keep=False`` an encoded tensor is only decoded and checked, through a
-    bounded buffer, and ``None`` is returned (so is nothing read for a raw one: its checksum covered it).
+    """Tensor ``tname``'s decoded bytes, uint8 ``[raw bytes]``, after its checksum matched (``check_tensor``).
+
+    A raw tensor of a path is a private copy-on-write memory map (checksummed through the map; a file changed in
+    place while it is loaded can therefore give other bytes: kvpack's writer never changes a file in place, it
+    renames a new one over it), otherwise a fresh buffer. An encoded tensor is decoded into a fresh buffer
+    (``codecs.decode_zstd``). With ``keep=False`` nothing is returned and nothing is held but one bounded buffer:
+    a raw tensor is only checksummed, an encoded one also decoded and checked.
 
     Raises:
         ChecksumMismatchError: see ``check_tensor``.
         CorruptFileError: the zstd frame is not one intact frame of exactly the declared size.
     """
-    check_tensor(src, box, tname)
     info = box.tensors[tname]
     begin = box.header_bytes + info.offsets[0]
+    if info.codec is None and keep:
+        out = src.array(begin, info.nbytes)
+        check_tensor(src, box, tname, out)
+        return out
+    check_tensor(src, box, tname)
     if info.codec is None:
-        return src.array(begin, info.nbytes) if keep else None
+        return None
     out = np.empty(info.raw_nbytes, dtype=np.uint8) if keep else None
     try:
         decode_zstd(lambda at, n: src.read(begin + at, n), info.nbytes, info.raw_nbytes, info.codec.filter,

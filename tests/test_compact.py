@@ -7,7 +7,6 @@ import itertools
 
 import pytest
 import torch
-import zstandard
 
 import kvpack
 from kvpack import constants as C

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -25,7 +24,7 @@ from kvpack.fileformat import PackHeader, load_pack, pack_to_bytes, read_header,
 from kvpack.pack import LayerEntries, Pack
 from kvpack.quant import quantize_pack
 
-from .golden_packs import GOLDEN, GOLDEN_DIR, GOLDEN_ZSTD_LIBRARY, golden_f32, golden_f32_biases, golden_int4
+from .golden_packs import GOLDEN, GOLDEN_DIR, GOLDEN_ZSTD_LIBRARY, golden_f32, golden_int4
 
 QUANT_FIELDS = ("qtype", "group_size", "sink_lengths", "body_lengths", *C.COMPACT_PARTS)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import struct
 import sys
-import time
 import tracemalloc
 from pathlib import Path
 
@@ -348,15 +347,6 @@ def test_hostile_file_header_only(case):
             read_header(data)
     else:
         read_header(data)
-
-
-def test_cases_are_small_and_fast():
-    """No case may take a reader long or much memory (the campaign in tools/fuzz_format.py measures at scale)."""
-    for case, (data, error, _) in CASES.items():
-        start = time.monotonic()
-        with pytest.raises(error):
-            verify(data)
-        assert time.monotonic() - start < 5, case
 
 
 @pytest.mark.parametrize("case", ["cut inside header", "wrong magic", "format_version newer major",

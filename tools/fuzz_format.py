@@ -9,7 +9,6 @@ is reproducible and resumable):
 
 * raw damage (checksums left as they are): ``flip`` (1-8 bits), ``overwrite`` (random bytes), ``truncate``,
   ``insert``/``delete`` (random bytes), ``splice`` (a range of another seed), ``length`` (the header length prefix);
-  (the two expensive classes, ``nesting`` and ``bloat``, are drawn a quarter as often as the others)
 * re-signed hostile edits (all offsets, tensor checksums and the header SHA-256 recomputed per the spec with
   ``tests/forge.py``, so the reader's own checks are what fire): ``json_type`` (a random node of the header
   replaced by a value of another type: lists where strings are expected, huge integers, long strings, deep
@@ -18,7 +17,8 @@ is reproducible and resumable):
   (dims, ranks, dtypes of a tensor, with data resized to match), ``content`` (tensor elements set to extremes,
   NaN, infinities, shuffled), ``counts`` (layers / KV heads / entries declared huge in a few bytes through zstd
   frames of zeros), ``frame`` (zstd frame bytes damaged, re-signed), ``nesting`` (deeply nested JSON anywhere),
-  ``bloat`` (long strings, many keys, many tensors).
+  ``bloat`` (long strings, many keys, many tensors). The two expensive classes, ``nesting`` and ``bloat``, are
+  drawn a quarter as often as the others.
 
 Every file goes through ``read_header``, ``verify`` and ``load_pack`` (a file that loads is then laid out as a
 ``KvpackCache`` and written back, which must not fail either). Progress goes to ``--out``/log.txt every
