@@ -136,7 +136,7 @@ def body_row_mask(head_lengths: torch.Tensor, sink: torch.Tensor, body: torch.Te
 def compact_split(positions: torch.Tensor, head_lengths: torch.Tensor, sink_tokens: int, group_size: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per head ``[kv_heads]`` int64: sink rows ``s_h`` (positions below ``sink_tokens``) and quantized body rows
-    ``b_h = n_h - s_h`` if that is at least ``group_size``, else 0 (``format/SPEC.md`` §5.6)."""
+    ``b_h = n_h - s_h`` if that is at least ``group_size``, else 0 (``format/SPEC.md`` §5.4)."""
     lengths = head_lengths.to(torch.int64)
     head_of_row = torch.repeat_interleave(torch.arange(lengths.shape[0]), lengths)
     sink = torch.zeros(lengths.shape[0], dtype=torch.int64).index_add_(
@@ -288,7 +288,7 @@ def group_index(body_lengths: torch.Tensor, group_size: int) -> tuple[torch.Tens
 
 def _joined(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
     """``torch.cat(parts, dim)``, without copying when the parts are consecutive slices along ``dim`` of one storage
-    (the layers of a version-5 file are views of one tensor per part, ``format/SPEC.md`` §5.7): then a view of that
+    (the layers of a loaded file are views of one tensor per part, ``format/SPEC.md`` §5.4): then a view of that
     storage. ``parts``: one or more tensors, equal but for their size along ``dim``."""
     first = parts[0]
     if len(parts) == 1:
@@ -348,7 +348,7 @@ def quant_type_bits(qtype: str) -> int:
 
 def dequantize_compact(qr) -> tuple[torch.Tensor, torch.Tensor]:
     """The body rows of a compact-layout ``QuantizedRows``: keys ``[Q, head_dim]`` and values ``[Q, head_dim_v]``,
-    float32, ``code x scale + min`` with the group's parameters from the layer's grids (``format/SPEC.md`` §5.6)."""
+    float32, ``code x scale + min`` with the group's parameters from the layer's grids (``format/SPEC.md`` §5.4)."""
     keys, values, starts = dequantize_compact_layers([qr])
     rows = [torch.arange(s, s + b) for s, b in zip(starts[0].tolist(), qr.body_lengths.tolist())]
     return keys.index_select(0, torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)), values
@@ -357,7 +357,7 @@ def dequantize_compact(qr) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_compact_layers(quants: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The body rows of several compact-layout layers (same type, group size and head sizes) dequantized at once;
     bit-identical to ``code x scale + min`` of each layer alone (KIVI's grouping, arXiv 2402.02750 §3; each group's
-    parameters come from its own layer's grid; float32 multiply, then add; ``format/SPEC.md`` §5.6). CPU tensors;
+    parameters come from its own layer's grid; float32 multiply, then add; ``format/SPEC.md`` §5.4). CPU tensors;
     no errors raised beyond torch's and numpy's for mismatched shapes (the reader checks shapes first).
 
     Returns:
@@ -473,7 +473,7 @@ def quantize_compact(keys: torch.Tensor, values: torch.Tensor, body: torch.Tenso
 
 def compact_shapes(qtype: str, group_size: int, heads: int, d: int, dv: int, rows: int, groups: int
                    ) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Dtype code and shape of each compact-layout tensor of a layer (``format/SPEC.md`` §5.6) with ``heads`` KV
+    """Dtype code and shape of each compact-layout tensor of a layer (``format/SPEC.md`` §5.4) with ``heads`` KV
     heads, head sizes ``d`` / ``dv``, ``rows`` quantized rows and ``groups`` key groups: ``{part: (code, shape)}``."""
     spec = quant_type(qtype)
     gv = value_group_size(group_size, dv)
@@ -505,7 +505,7 @@ def compact_problem(qr, d: int, dv: int) -> str | None:
 
 def compact_values_problem(widths: np.ndarray, grids: np.ndarray, qtype: str, d: int) -> str | None:
     """The value checks of ``compact_problem`` for several layers at once (the reader's), on their key code widths
-    ``[layers, kv_heads, d]`` and grids ``[layers, 3, columns]`` (numpy; a version-5 file stores them so): widths in
+    ``[layers, kv_heads, d]`` and grids ``[layers, 3, columns]`` (numpy; a file stores them so): widths in
     ``[MIN_KEY_BITS, MAX_KEY_BITS]`` summing to ``bits x d`` per head; a finite grid with non-negative min steps and
     scale bases. ``None`` if they pass, else the problem (naming the first bad layer)."""
     bits = quant_type_bits(qtype)

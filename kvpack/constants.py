@@ -143,7 +143,7 @@ MAX_HEADER_BYTES = 1 << 20
 MAX_JSON_DEPTH = 32
 #: Largest rank of a tensor in the index.
 MAX_RANK = 4
-#: Most tensors an index may name (format 1.0 defines 13), and most ``__metadata__`` keys (it defines 7).
+#: Most tensors an index may name (format 1.0 defines 12), and most ``__metadata__`` keys (it defines 7).
 MAX_TENSORS = 64
 MAX_METADATA_KEYS = 64
 #: Most layers and KV heads per layer a file may declare, and the largest key/value head size.

@@ -1,4 +1,4 @@
-"""The safetensors container of format 1.0 (``format/SPEC.md`` §2-4, §7-8): length prefix, canonical JSON header,
+"""The safetensors container of format 1.0 (``format/SPEC.md`` §2-4, §7-9): length prefix, canonical JSON header,
 flat data buffer; header parse and validation, tensor checksums, streaming reads, atomic writes.
 
 This module knows nothing about KV caches: it hands the KV layout (``kvpack.fileformat``) a validated
@@ -108,7 +108,7 @@ class Container:
 
 
 def parse_header(src: Source) -> Container:
-    """Validate everything up to the tensor data (``format/SPEC.md`` §7 steps 1-9) and return it.
+    """Validate everything up to the tensor data (``format/SPEC.md`` §8 steps 1-11) and return it.
 
     Raises:
         TruncatedFileError: shorter than 8 bytes, or than the header or data it declares.

@@ -245,7 +245,7 @@ def save(pack: Pack, path: str | os.PathLike, zstd_level: int = C.SAVE_DEFAULT_Z
 def read_header(source: SourceLike) -> PackHeader:
     """Read and validate the header of a ``.kvpack`` file (a path, a seekable binary file object or the file's
     bytes) without reading the data: sizes, magic, version, canonical form, header checksum, tensor index, codecs,
-    the tensor set and shapes, the quantization setting and the kvpack metadata (``format/SPEC.md`` §7, 1-12).
+    the tensor set and shapes, the quantization setting and the kvpack metadata (``format/SPEC.md`` §8, steps 1-12).
 
     Raises: the errors of ``load_pack`` but ``ChecksumMismatchError`` for a tensor.
     """
@@ -267,7 +267,7 @@ def verify(source: SourceLike) -> PackHeader:
 
 def load_pack(source: SourceLike) -> Pack:
     """Read a ``.kvpack`` file (a path, a seekable binary file object or its bytes) into a ``Pack`` after validating
-    all of it (``format/SPEC.md`` §7).
+    all of it (``format/SPEC.md`` §8).
 
     Returns per layer views of the file's tensors (writable; a raw tensor of a path is a private copy-on-write
     memory map): ``keys`` ``[rows, head_dim]`` and ``values`` ``[rows, head_dim_v]`` in the stored dtype,
@@ -286,7 +286,7 @@ def load_pack(source: SourceLike) -> Pack:
 
 
 def _header(box: Container, name: str) -> PackHeader:
-    """The ``PackHeader`` of a validated container, after the checks of the KV layout (§7 steps 10-12)."""
+    """The ``PackHeader`` of a validated container, after the checks of the KV layout (§8 step 12)."""
 
     def corrupt(problem: str) -> CorruptFileError:
         return CorruptFileError(f"{name}: {problem}; {REBUILD}")
@@ -395,7 +395,7 @@ def _read(source: SourceLike, keep_all: bool) -> tuple[PackHeader, Pack | None]:
 
 
 def _contents_problem(header: PackHeader, a: dict[str, np.ndarray]) -> str | tuple[np.ndarray, np.ndarray]:
-    """The content checks (§7 step 14) on the index tensors ``a`` (numpy views): token ids >= 0; head lengths >= 0
+    """The content checks (§8 step 14) on the index tensors ``a`` (numpy views): token ids >= 0; head lengths >= 0
     summing to the entries; positions in ``[0, tokens)``, strictly increasing within each head; for a quantized
     file, the body rows and key groups the layout rule gives add up to the stored ones, code widths and grids are
     valid; biases finite and within ``[-MAX_ATTN_BIAS, MAX_ATTN_BIAS]``. Work and memory linear in the index

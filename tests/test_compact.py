@@ -322,7 +322,7 @@ def test_fast_key_decoding_matches_the_bit_string_reference():
 
 
 def _spec_decode(qr) -> tuple[torch.Tensor, torch.Tensor]:
-    """``format/SPEC.md`` §5.6 spelled out one head and one group at a time: ``code x scale + min`` (float32
+    """``format/SPEC.md`` §5.4 spelled out one head and one group at a time: ``code x scale + min`` (float32
     multiply, then add), codes cut from each head's bit strings (``unpack_bits``), parameters from the grids."""
     d, g = qr.key_bits.shape[1], qr.group_size
     grid = qr.quant_grid.float()
