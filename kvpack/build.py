@@ -38,6 +38,7 @@ from . import constants as C
 from . import storage
 from .compress import DEFAULT_CHUNK_SIZE, DEFAULT_RATIO, compress, max_context_tokens
 from .errors import InputError, KvpackError
+from .container import remove_stale_temps
 from .fileformat import PackHeader, check_storage_args, read_header, save, verify
 from .fingerprint import check_fingerprint, model_fingerprint
 from .layout import chat_layout
@@ -195,17 +196,11 @@ def build_settings(*, method: str = "kvzip", ratio: float = DEFAULT_RATIO, chunk
     if quant != C.QUANT_NONE:
         check_quant_args(quant, group_size, allowed_group_sizes=C.GROUP_SIZES)
     check_storage_args(zstd_level, checksum)
-    stored = [quant, group_size, quant_layout_for(checksum)] if quant != C.QUANT_NONE else [C.QUANT_NONE, None, None]
+    stored = [quant, group_size, C.QUANT_LAYOUT_COMPACT] if quant != C.QUANT_NONE else [C.QUANT_NONE, None, None]
     return json.loads(json.dumps({
         "method": scorer.name, "method_params": scorer.params(), "ratio": float(scorer.kept_ratio(ratio)),
         "quant": stored, "zstd_level": zstd_level, "checksum": checksum, "chunk_size": chunk_size,
         "options": options}))
-
-
-def quant_layout_for(checksum: str) -> str:
-    """The quantized layout a build writes: compact (format version 5) with XXH3-128 checksums; KIVI (version 2)
-    with SHA-256 ones, which ask for files that readers older than version 4 take."""
-    return C.QUANT_LAYOUT_COMPACT if checksum == C.CHECKSUM_XXH3 else C.QUANT_LAYOUT_KIVI
 
 
 def plan_build(contexts: Iterable[Context], out_dir: str | os.PathLike, settings: dict, *,
@@ -272,6 +267,7 @@ def _check_writable(out: Path | str, storage_options: dict | None = None) -> Non
     except OSError as exc:
         raise InputError(f"cannot write to the output folder {out}: {exc.strerror or exc}; pass another --out "
                          "or fix its permissions") from None
+    remove_stale_temps(out)  # temporary files of saves killed in an earlier run (never a live writer's)
 
 
 def _sha(text: str) -> str:
@@ -485,8 +481,7 @@ class _Run:
         try:
             pack = compress(self.model, self.tokenizer, ctx.text, method=s["method"], ratio=s["ratio"],
                             chunk_size=s["chunk_size"], source_name=ctx.source_name, progress=tracker,
-                            quant=s["quant"][0], group_size=s["quant"][1] or C.DEFAULT_GROUP_SIZE,
-                            quant_layout=s["quant"][2] or C.DEFAULT_QUANT_LAYOUT, **s["options"])
+                            quant=s["quant"][0], group_size=s["quant"][1] or C.DEFAULT_GROUP_SIZE, **s["options"])
             if storage.is_url(path):
                 storage.makedirs(storage.parent_of(path), so)
             else:

@@ -153,17 +153,16 @@ def _method_params(method: str, given: dict) -> dict:
 @click.option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE, show_default=True,
               help="Tokens per prefill and scoring chunk (bounds memory).")
 @click.option("--quant", type=click.Choice(C.QUANT_CHOICES), default=C.QUANT_NONE, show_default=True,
-              help="Quantize the kept KV: keys per channel, values per token (KIVI grouping); the attention sink "
-                   "stays in full precision. With --checksum xxh3 the compact layout (format v5: key code widths "
-                   "per channel chosen from the context's queries, 8-bit group parameters); with sha256 the "
-                   "KIVI layout of format v2.")
+              help="Quantize the kept KV: keys per channel, values per token (KIVI grouping) in the compact layout "
+                   "(key code widths per channel chosen from the context's queries, 8-bit group parameters); the "
+                   "attention sink stays in full precision.")
 @click.option("--group-size", type=click.Choice([str(g) for g in C.GROUP_SIZES]), default=str(C.DEFAULT_GROUP_SIZE),
               show_default=True, help="Quantization group: tokens per key scale, channels per value scale (at most head_dim).")
 @click.option("--zstd-level", type=click.IntRange(0, C.ZSTD_MAX_LEVEL), default=C.DEFAULT_ZSTD_LEVEL,
               show_default=True, help="zstd-compress each tensor at this level (0: off).")
 @click.option("--checksum", type=click.Choice(C.CHECKSUMS), default=C.DEFAULT_CHECKSUM, show_default=True,
               help="Tensor checksum: xxh3 (XXH3-128, fast to verify; detects damage, not tampering) or sha256 "
-                   "(cryptographic; files readable by kvpack 0.1: v1 with --quant none --zstd-level 0, else v2).")
+                   "(cryptographic, about 25x slower to verify).")
 @click.option("--overwrite", is_flag=True, help="Rebuild packs that are already up to date (a pack built with other "
                                                 "settings is always rebuilt and replaced).")
 @click.option("--split", is_flag=True, help="Cut a context longer than the model allows at paragraph boundaries into "

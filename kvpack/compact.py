@@ -1,5 +1,6 @@
-"""The compact quantized layout of ``.kvpack`` format versions 4 and 5 (stacked over the layers): per-channel key
-code widths and 8-bit group parameters (``format/SPEC.md`` §5.6, §5.7).
+"""The quantization codec of ``.kvpack`` format 1.0, the compact layout: per-channel key code widths and 8-bit group
+parameters (``format/SPEC.md`` §5.4). Pure tensor arithmetic: it imports nothing of kvpack's but the constants and
+errors; ``kvpack.quant`` applies it to packs.
 
 It keeps KIVI's grouping (arXiv 2402.02750 §3: keys per channel over ``G`` consecutive rows of one head, values
 per row over ``Gv = min(G, head_dim_v)`` channels; asymmetric ``x_hat = code x scale + min``) and changes three
@@ -10,19 +11,22 @@ things, each measured on the reference model (``BENCHMARKS.md``, "4-bit KV"):
   query-weighted error ``sum_c E[q_c^2] x E[range_c^2] x 4^-w_c`` over the context's own queries (after RoPE, over
   the query heads of the GQA group): the classic rate-distortion bit allocation, error variance ~ step^2 ~ 4^-w
   (``allocate_widths``). Without query statistics the widths are uniform. A row's codes are one little-endian
-  bit string, channel 0 first; with uniform widths it is byte-for-byte KIVI's packing.
+  bit string, channel 0 first; with uniform widths it is KIVI's nibble packing.
 * **8-bit group parameters.** Each group's min and scale are one byte each, on grids shared by a parameter column
   (a key channel, or a value group position) of the layer (``quant_grid``): ``min = code x step + base`` with
   the min rounded *down* onto the grid, and ``scale`` a tiny float ``base x (32 + m) x 2**(e - 12)`` (``e`` the
   code's top 3 bits, ``m`` its low 5; code 0 is scale 0), rounded *up*; codes are then taken against the stored
-  parameters, so every element stays within ``scale / 2`` of its dequantized value, as in the KIVI layout.
+  parameters, so every element stays within ``scale / 2`` of its dequantized value.
   All parameter arithmetic is float32 multiply-then-add, so every platform dequantizes to the same bits.
 * **No full-precision residual.** A head with at least ``G`` non-sink rows has all of them quantized; its last
   key group may be shorter than ``G``. The attention sink and heads with fewer than ``G`` non-sink rows stay in
-  full precision, as in the KIVI layout.
+  full precision (quantizing the attention sink is a known failure of quantized caches, cf. KVQuant,
+  arXiv 2401.18079).
 """
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 import torch
@@ -31,6 +35,11 @@ from . import constants as C
 from .errors import InputError
 
 __all__ = [
+    "quant_type",
+    "value_group_size",
+    "pack_codes",
+    "unpack_codes",
+    "body_row_mask",
     "compact_split",
     "allocate_widths",
     "scale_table",
@@ -58,10 +67,76 @@ _TOP_MULTIPLIER = float(_SCALE_MULTIPLIERS[255])
 _CODE_MULTIPLIERS = np.concatenate([[0.0], _SCALE_MULTIPLIERS[1:].numpy()]).astype(np.float32)
 
 
+def quant_type(qtype: str) -> C.QuantType:
+    """The ``constants.QuantType`` named ``qtype`` (``"int8"`` or ``"int4"``).
+
+    Raises:
+        InputError: unknown name (``"none"`` is not a quantized type).
+    """
+    spec = C.QUANT_TYPES.get(qtype) if isinstance(qtype, str) else None
+    if spec is None:
+        raise InputError(f"unknown quantization {qtype!r}; use one of {list(C.QUANT_CHOICES)}")
+    return spec
+
+
+def value_group_size(group_size: int, head_dim_v: int) -> int:
+    """``Gv = min(G, head_dim_v)``: channels sharing one value scale and min."""
+    return min(int(group_size), int(head_dim_v))
+
+
+def pack_codes(codes: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Pack unpacked codes ``[..., C]`` (integers in ``0 .. 2**bits - 1``) into uint8 ``[..., C / codes_per_byte]``.
+
+    int8: the codes as bytes. int4: byte ``i`` = ``codes[2i] | codes[2i + 1] << 4`` (even channel in the low
+    nibble). Raises ``InputError`` if ``C`` is not a multiple of ``codes_per_byte``.
+    """
+    spec = quant_type(qtype)
+    c = codes.to(torch.uint8)
+    if spec.codes_per_byte == 1:
+        return c.contiguous()
+    if c.shape[-1] % 2:
+        raise InputError(f"int4 packs two codes per byte; the last dimension {c.shape[-1]} is odd")
+    return (c[..., 0::2] | (c[..., 1::2] << 4)).contiguous()
+
+
+def unpack_codes(packed: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Inverse of ``pack_codes``: uint8 ``[..., C / codes_per_byte]`` -> uint8 codes ``[..., C]``."""
+    spec = quant_type(qtype)
+    if spec.codes_per_byte == 1:
+        return packed
+    return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
+
+
+def _codes_as_float(packed: torch.Tensor, qtype: str) -> torch.Tensor:
+    """``unpack_codes(packed, qtype).float()``, faster: float32 ``[..., C]`` (a new tensor).
+
+    int4 nibbles are spread with 16-bit arithmetic (``((x << 4) | x) & 0x0F0F`` puts the low nibble in the low
+    byte and the high nibble in the high byte), so one little-endian int16 is the two codes in channel order;
+    interleaving uint8 tensors (``torch.stack``) is several times slower.
+    """
+    if quant_type(qtype).codes_per_byte == 1:
+        return packed.float()
+    if sys.byteorder != "little":
+        return unpack_codes(packed, qtype).float()
+    x = packed.to(torch.int16)
+    pairs = ((x << 4) | x) & 0x0F0F  # [..., C/2] int16: byte 0 = even channel's code, byte 1 = odd channel's
+    return pairs.view(torch.uint8).float()
+
+
+def body_row_mask(head_lengths: torch.Tensor, sink: torch.Tensor, body: torch.Tensor) -> torch.Tensor:
+    """``[entries]`` bool: which rows of a layer (heads back to back, ``head_lengths`` ``[kv_heads]``) are body rows,
+    given each head's ``sink`` and ``body`` row counts ``[kv_heads]`` (``compact_split``)."""
+    lengths = head_lengths.to(torch.int64)
+    head_of_row = torch.repeat_interleave(torch.arange(lengths.shape[0]), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    col = torch.arange(int(lengths.sum())) - starts[head_of_row]
+    return (col >= sink[head_of_row]) & (col < (sink + body)[head_of_row])
+
+
 def compact_split(positions: torch.Tensor, head_lengths: torch.Tensor, sink_tokens: int, group_size: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per head ``[kv_heads]`` int64: sink rows ``s_h`` (positions below ``sink_tokens``) and quantized body rows
-    ``b_h = n_h - s_h`` if that is at least ``group_size``, else 0 (``format/SPEC.md`` §5.6)."""
+    ``b_h = n_h - s_h`` if that is at least ``group_size``, else 0 (``format/SPEC.md`` §5.4)."""
     lengths = head_lengths.to(torch.int64)
     head_of_row = torch.repeat_interleave(torch.arange(lengths.shape[0]), lengths)
     sink = torch.zeros(lengths.shape[0], dtype=torch.int64).index_add_(
@@ -213,7 +288,7 @@ def group_index(body_lengths: torch.Tensor, group_size: int) -> tuple[torch.Tens
 
 def _joined(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
     """``torch.cat(parts, dim)``, without copying when the parts are consecutive slices along ``dim`` of one storage
-    (the layers of a version-5 file are views of one tensor per part, ``format/SPEC.md`` §5.7): then a view of that
+    (the layers of a loaded file are views of one tensor per part, ``format/SPEC.md`` §5.4): then a view of that
     storage. ``parts``: one or more tensors, equal but for their size along ``dim``."""
     first = parts[0]
     if len(parts) == 1:
@@ -253,8 +328,6 @@ def _key_codes(quants: list, widths: np.ndarray, groups: list[int], padded: torc
     and mask of each channel are its head's; every group lies in one head, so one table row per group (made with
     numpy: small) is broadcast over its ``G`` rows (no per-row tables).
     """
-    from .quant import _codes_as_float
-
     g, d = quants[0].group_size, widths.shape[1]
     if (widths == quant_type_bits(quants[0].qtype)).all():
         return _codes_as_float(padded, quants[0].qtype).view(-1, g, d)
@@ -275,7 +348,7 @@ def quant_type_bits(qtype: str) -> int:
 
 def dequantize_compact(qr) -> tuple[torch.Tensor, torch.Tensor]:
     """The body rows of a compact-layout ``QuantizedRows``: keys ``[Q, head_dim]`` and values ``[Q, head_dim_v]``,
-    float32, ``code x scale + min`` with the group's parameters from the layer's grids (``format/SPEC.md`` §5.6)."""
+    float32, ``code x scale + min`` with the group's parameters from the layer's grids (``format/SPEC.md`` §5.4)."""
     keys, values, starts = dequantize_compact_layers([qr])
     rows = [torch.arange(s, s + b) for s, b in zip(starts[0].tolist(), qr.body_lengths.tolist())]
     return keys.index_select(0, torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)), values
@@ -284,7 +357,7 @@ def dequantize_compact(qr) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_compact_layers(quants: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The body rows of several compact-layout layers (same type, group size and head sizes) dequantized at once;
     bit-identical to ``code x scale + min`` of each layer alone (KIVI's grouping, arXiv 2402.02750 §3; each group's
-    parameters come from its own layer's grid; float32 multiply, then add; ``format/SPEC.md`` §5.6). CPU tensors;
+    parameters come from its own layer's grid; float32 multiply, then add; ``format/SPEC.md`` §5.4). CPU tensors;
     no errors raised beyond torch's and numpy's for mismatched shapes (the reader checks shapes first).
 
     Returns:
@@ -295,8 +368,6 @@ def dequantize_compact_layers(quants: list) -> tuple[torch.Tensor, torch.Tensor,
         ``key_starts`` int64 ``[layers, kv_heads]``. In the group-padded rows every key group is ``G`` aligned rows,
         so a group's parameters broadcast over a ``[K, G, head_dim]`` view instead of being expanded to every row.
     """
-    from .quant import _codes_as_float, value_group_size
-
     layers, g, d = len(quants), quants[0].group_size, quants[0].key_bits.shape[1]
     body = torch.cat([q.body_lengths for q in quants]).tolist()  # rows of each (layer, head)
     groups = [(b + g - 1) // g for b in body]
@@ -354,8 +425,6 @@ def quantize_compact(keys: torch.Tensor, values: torch.Tensor, body: torch.Tenso
     Raises:
         InputError: non-finite keys or values, or values so large that a scale leaves the float32 range.
     """
-    from .quant import pack_codes, quant_type, value_group_size
-
     spec = quant_type(qtype)
     k, v = keys.double(), values.double()
     if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
@@ -404,10 +473,8 @@ def quantize_compact(keys: torch.Tensor, values: torch.Tensor, body: torch.Tenso
 
 def compact_shapes(qtype: str, group_size: int, heads: int, d: int, dv: int, rows: int, groups: int
                    ) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Dtype code and shape of each compact-layout tensor of a layer (``format/SPEC.md`` §5.6) with ``heads`` KV
+    """Dtype code and shape of each compact-layout tensor of a layer (``format/SPEC.md`` §5.4) with ``heads`` KV
     heads, head sizes ``d`` / ``dv``, ``rows`` quantized rows and ``groups`` key groups: ``{part: (code, shape)}``."""
-    from .quant import quant_type, value_group_size
-
     spec = quant_type(qtype)
     gv = value_group_size(group_size, dv)
     return {
@@ -438,7 +505,7 @@ def compact_problem(qr, d: int, dv: int) -> str | None:
 
 def compact_values_problem(widths: np.ndarray, grids: np.ndarray, qtype: str, d: int) -> str | None:
     """The value checks of ``compact_problem`` for several layers at once (the reader's), on their key code widths
-    ``[layers, kv_heads, d]`` and grids ``[layers, 3, columns]`` (numpy; a version-5 file stores them so): widths in
+    ``[layers, kv_heads, d]`` and grids ``[layers, 3, columns]`` (numpy; a file stores them so): widths in
     ``[MIN_KEY_BITS, MAX_KEY_BITS]`` summing to ``bits x d`` per head; a finite grid with non-negative min steps and
     scale bases. ``None`` if they pass, else the problem (naming the first bad layer)."""
     bits = quant_type_bits(qtype)

@@ -31,7 +31,7 @@ DEFAULT_CHUNK_SIZE = 2048
 def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float = DEFAULT_RATIO,
              chunk_size: int = DEFAULT_CHUNK_SIZE, source_name: str = "<text>",
              progress: Callable[[int], None] | None = None, quant: str = C.QUANT_NONE,
-             group_size: int = C.DEFAULT_GROUP_SIZE, quant_layout: str = C.DEFAULT_QUANT_LAYOUT,
+             group_size: int = C.DEFAULT_GROUP_SIZE,
              stage_seconds: dict[str, float] | None = None, **options) -> Pack:
     """Compress the KV cache of ``text`` for ``model`` (query-agnostic: any later question can be asked).
 
@@ -53,14 +53,12 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
         source_name: recorded in the pack (the file name for ``kvpack build``).
         progress: called with the number of context tokens processed, per stage.
         quant: ``"none"`` (default), ``"int8"`` or ``"int4"``: after selection, quantize each head's kept entries
-            except the attention sink (KIVI grouping, arXiv 2402.02750; ``kvpack.quant``); the per-layer max and mean
+            except the attention sink in the compact layout (KIVI's grouping, arXiv 2402.02750, key code widths per
+            channel chosen from the context's own queries recorded during the prefill, 8-bit group parameters;
+            ``kvpack.quant``); the per-layer max and mean
             absolute errors go to ``metadata["stats"]["quant_error"]``.
         group_size: quantization group ``G``: 32 (default), 64 or 128 tokens per key group; values use
             ``min(G, head_dim)`` channels per group.
-        quant_layout: ``"compact"`` (default; format version 5, ``kvpack.compact``: key code widths per channel
-            chosen from the context's own queries, recorded during the prefill; 8-bit group parameters) or
-            ``"kivi"`` (versions 2-3: one width, float16 parameters, each head's last partial group in full
-            precision).
         stage_seconds: if given, filled with the wall-clock seconds of each stage (CUDA synchronised):
             ``tokenize``, ``prefill`` (with the method's attention statistics), ``score``, ``select``,
             ``gather_merge`` (gathering the kept entries, D2O's merge, the metadata) and ``quantize``.
@@ -73,7 +71,7 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
     Raises:
         InputError: empty text, text longer than ``max_context_tokens(model)``, ratio outside (0, 1],
             chunk_size < 1, unknown method or option, unknown quant, group size not in (32, 64, 128) or not fitting
-            the head size, unknown quant layout, ``stage_seconds`` not a dict.
+            the head size, ``stage_seconds`` not a dict.
         UnsupportedModelError: the model's architecture is not supported.
     """
     if not isinstance(text, str) or not text.strip():
@@ -89,8 +87,6 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
     spec = model_spec(model)
     if quant != C.QUANT_NONE:
         check_quant_args(quant, group_size, spec.head_dim, spec.head_dim, allowed_group_sizes=C.GROUP_SIZES)
-        if quant_layout not in C.QUANT_LAYOUTS:
-            raise InputError(f"unknown quantization layout {quant_layout!r}; use one of {list(C.QUANT_LAYOUTS)}")
     device = next(model.parameters()).device
     clock = _StageClock(stage_seconds, device)
     layout = chat_layout(tokenizer)
@@ -106,7 +102,7 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
                          f"({_limit_reason(model)}); split the document (`kvpack build --split`)")
     compressing = ratio < 1.0
     recorder, observed = prefill_recorder(scorer, spec, len(token_ids), device, tokenizer, layout, compressing,
-                                          quant != C.QUANT_NONE and quant_layout == C.QUANT_LAYOUT_COMPACT)
+                                          quant != C.QUANT_NONE)
     full = prefill(model, token_ids, len(prefix_ids), layout, spec, chunk_size, progress, recorder, observed)
     clock.lap("prefill")
     if compressing:
@@ -119,7 +115,7 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
     pack = assemble_pack(model, tokenizer, text, scorer, ratio, full, keep, source_name)
     clock.lap("gather_merge")
     energy = recorder.mean_query_energy() if recorder is not None else None
-    pack = quantize_pack(pack, quant, group_size, quant_layout, energy)
+    pack = quantize_pack(pack, quant, group_size, energy)
     clock.lap("quantize")
     return pack
 

@@ -1,8 +1,8 @@
-"""Every fixed value of the ``.kvpack`` file format (``format/SPEC.md``). Reader and writer define none of their own.
+"""Every fixed value of the ``.kvpack`` file format 1.0 (``format/SPEC.md``). Reader and writer define none of their own.
 
 A ``.kvpack`` file is a safetensors file whose JSON header is serialised canonically, so it always starts with
-``MAGIC`` at byte ``MAGIC_OFFSET``. Version 2 adds quantized KV (``QUANT_TYPES``) and zstd-compressed tensors
-(``CODEC_ZSTD``); a file declares the lowest version whose features it uses.
+``MAGIC`` at byte ``MAGIC_OFFSET``. Format 1.0 is the only version: plain or compact-quantized KV, optionally
+zstd-compressed tensors and per-entry attention biases.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
-    "MAX_READABLE_VERSION",
+    "FORMAT_MAJOR",
     "FILE_SUFFIX",
     "LENGTH_PREFIX_BYTES",
     "MAGIC_OFFSET",
@@ -22,6 +22,15 @@ __all__ = [
     "HEADER_ALIGNMENT",
     "HEADER_PAD_BYTE",
     "MAX_HEADER_BYTES",
+    "MAX_JSON_DEPTH",
+    "MAX_RANK",
+    "MAX_TENSORS",
+    "MAX_METADATA_KEYS",
+    "MAX_LAYERS",
+    "MAX_KV_HEADS",
+    "MAX_TOTAL_HEADS",
+    "MAX_HEAD_DIM",
+    "MAX_LAYOUT_CHARS",
     "JSON_DUMPS_KWARGS",
     "METADATA_KEY",
     "META_FORMAT",
@@ -30,6 +39,15 @@ __all__ = [
     "META_KVPACK",
     "META_TENSOR_SHA256",
     "META_TENSOR_XXH3",
+    "METADATA_KEYS",
+    "META_QUANT",
+    "META_TENSOR_CODECS",
+    "SINK_TOKENS_KEY",
+    "INDEX_DTYPE",
+    "INDEX_SHAPE",
+    "INDEX_OFFSETS",
+    "INDEX_KEYS",
+    "SHA256_HEX_LENGTH",
     "CHECKSUM_SHA256",
     "CHECKSUM_XXH3",
     "CHECKSUMS",
@@ -37,37 +55,22 @@ __all__ = [
     "TENSOR_CHECKSUM_KEY",
     "CHECKSUM_HEX_LENGTH",
     "CHECKSUM_NAMES",
-    "METADATA_KEYS",
-    "SINK_TOKENS_KEY",
-    "INDEX_DTYPE",
-    "INDEX_SHAPE",
-    "INDEX_OFFSETS",
-    "INDEX_KEYS",
-    "SHA256_HEX_LENGTH",
     "TOKEN_IDS",
     "HEAD_LENGTHS",
-    "LAYER_PREFIX",
     "KEYS",
     "VALUES",
     "POSITIONS",
+    "ATTN_BIAS",
+    "MAX_ATTN_BIAS",
     "LAYER_PARTS",
-    "layer_tensor_name",
     "SECTION_HEADER",
     "SECTIONS",
     "DTYPE_BY_CODE",
     "CODE_BY_DTYPE",
     "FLOAT_CODES",
     "INDEX_INT_CODE",
+    "F32_CODE",
     "INT32_MAX",
-    "TEMP_INFIX",
-    "TEMP_RANDOM_BYTES",
-    "TEMP_FILE_MODE",
-    "FORMAT_VERSION_PLAIN",
-    "FORMAT_VERSION_V2",
-    "FORMAT_VERSION_V3",
-    "META_QUANT",
-    "META_TENSOR_CODECS",
-    "METADATA_KEYS_V2",
     "QuantType",
     "QUANT_NONE",
     "QUANT_TYPES",
@@ -76,32 +79,18 @@ __all__ = [
     "DEFAULT_GROUP_SIZE",
     "MAX_GROUP_SIZE",
     "QUANT_INFO_KEYS",
-    "KEY_CODES",
-    "KEY_SCALES",
-    "KEY_MINS",
-    "VALUE_CODES",
-    "VALUE_SCALES",
-    "VALUE_MINS",
-    "QUANT_PARTS",
-    "QUANT_INFO_KEYS_V4",
-    "QUANT_LAYOUT_KIVI",
     "QUANT_LAYOUT_COMPACT",
-    "QUANT_LAYOUTS",
-    "DEFAULT_QUANT_LAYOUT",
+    "KEY_CODES",
     "KEY_BITS",
     "KEY_PARAMS",
+    "VALUE_CODES",
     "VALUE_PARAMS",
     "QUANT_GRID",
     "COMPACT_PARTS",
     "MIN_KEY_BITS",
     "MAX_KEY_BITS",
     "ALLOCATED_KEY_BITS",
-    "FORMAT_VERSION_V4",
-    "FORMAT_VERSION_V5",
-    "STACKED_PARTS",
     "QUANT_CODE_CODE",
-    "QUANT_PARAM_CODE",
-    "QUANT_PARAM_MAX",
     "CODEC_ZSTD",
     "FILTER_NONE",
     "FILTER_SHUFFLE",
@@ -116,31 +105,20 @@ __all__ = [
     "ZSTD_FRAME_MAGIC",
     "MAX_EXPANSION",
     "EXPANSION_FLOOR_BYTES",
+    "READ_CHUNK_BYTES",
+    "TEMP_INFIX",
+    "TEMP_RANDOM_BYTES",
+    "TEMP_FILE_MODE",
 ]
 
-# --- identity and versions -------------------------------------------------------------------------------------
+# --- identity and version --------------------------------------------------------------------------------------
 #: Value of ``__metadata__["format"]``.
 FORMAT_NAME = "kvpack"
-#: The newest version this code writes (``__metadata__["format_version"]`` is its decimal string). A file
-#: declares the *lowest* version whose features it uses: ``FORMAT_VERSION_PLAIN`` without quantization, zstd
-#: and XXH3 checksums.
-FORMAT_VERSION = 5
-#: The newest version this code reads; newer files raise ``UnsupportedVersionError``.
-MAX_READABLE_VERSION = 5
-#: Version of a file with neither quantized layers nor encoded tensors (byte-identical to kvpack 0.1's files).
-FORMAT_VERSION_PLAIN = 1
-#: Version of a file that uses quantization (``META_QUANT``) or encoded tensors (``META_TENSOR_CODECS``).
-FORMAT_VERSION_V2 = 2
-#: Version of a file whose tensor checksums are XXH3-128 (``META_TENSOR_XXH3``) instead of SHA-256; it may also
-#: use the version-2 features.
-FORMAT_VERSION_V3 = 3
-#: Version of a file whose quantized layers use the compact layout (``QUANT_LAYOUT_COMPACT``); it has XXH3-128
-#: tensor checksums like version 3 and may use the version-2 features.
-FORMAT_VERSION_V4 = 4
-#: Version of a compact-layout file whose per-layer tensors are stacked over the layers: one tensor per part
-#: (``STACKED_PARTS``, unprefixed names), each layer's rows following the previous layer's. Otherwise as version 4;
-#: the compact layout is written as version 5 (version 4 files are still read).
-FORMAT_VERSION_V5 = 5
+#: ``__metadata__["format_version"]``: ``"<major>.<minor>"``. This code writes and reads major 1; a reader refuses
+#: another major (``UnsupportedVersionError``) and reads any minor of its major (a minor only adds ``__metadata__``
+#: keys that older readers ignore; ``format/SPEC.md`` §9).
+FORMAT_VERSION = "1.0"
+FORMAT_MAJOR = 1
 #: Conventional file name suffix.
 FILE_SUFFIX = ".kvpack"
 
@@ -156,9 +134,27 @@ MAGIC = b'{"__metadata__":{"format":"kvpack",'
 HEADER_ALIGNMENT = 8
 #: The header JSON is right-padded with this byte up to a multiple of ``HEADER_ALIGNMENT``.
 HEADER_PAD_BYTE = b" "
-#: Largest N a reader accepts (the same cap as safetensors, so safetensors can open every valid file).
-MAX_HEADER_BYTES = 100_000_000
-#: Canonical JSON serialisation, used for the header and for the kvpack metadata string.
+#: Largest N a reader accepts: 1 MiB. A real header is a few KB to a few tens of KB (12 tensors at most, the
+#: metadata with per-layer statistics); the cap bounds what parsing a hostile header costs (a JSON text parses to at
+#: most ~25x its size in Python objects, and every check is linear in it).
+MAX_HEADER_BYTES = 1 << 20
+#: Deepest nesting of ``[`` / ``{`` a reader accepts in the header and in each JSON text inside it, checked by a
+#: byte scan before any parsing (so the verdict never depends on the parser's stack).
+MAX_JSON_DEPTH = 32
+#: Largest rank of a tensor in the index.
+MAX_RANK = 4
+#: Most tensors an index may name (format 1.0 defines 12), and most ``__metadata__`` keys (it defines 7).
+MAX_TENSORS = 64
+MAX_METADATA_KEYS = 64
+#: Most layers and KV heads per layer a file may declare, and the largest key/value head size.
+MAX_LAYERS = 4096
+MAX_KV_HEADS = 4096
+#: Most (layer, KV head) pairs a file may declare: ``layers x kv_heads`` (a 128-layer, 128-head model has 16384).
+MAX_TOTAL_HEADS = 1 << 20
+MAX_HEAD_DIM = 65536
+#: Longest string in the ``layout`` metadata (a chat-template piece), in characters.
+MAX_LAYOUT_CHARS = 65536
+#: Canonical JSON serialisation, used for the header and for the JSON texts inside it.
 JSON_DUMPS_KWARGS = {"sort_keys": True, "separators": (",", ":"), "ensure_ascii": True, "allow_nan": False}
 
 # --- header keys -----------------------------------------------------------------------------------------------
@@ -170,21 +166,18 @@ META_FORMAT_VERSION = "format_version"
 META_HEADER_SHA256 = "header_sha256"
 #: The kvpack metadata (``Pack.metadata`` plus ``sink_tokens``) as one canonical JSON string.
 META_KVPACK = "kvpack"
-#: Canonical JSON string mapping every tensor name to the SHA-256 (hex) of its bytes.
+#: Canonical JSON string mapping every tensor name to the SHA-256 (hex) of its stored bytes.
 META_TENSOR_SHA256 = "tensor_sha256"
-#: v3: canonical JSON string mapping every tensor name to the XXH3-128 (32 hex digits) of its bytes; a version-3
-#: file has this key instead of ``META_TENSOR_SHA256``.
+#: Canonical JSON string mapping every tensor name to the XXH3-128 (32 hex digits) of its stored bytes. A file has
+#: exactly one of ``META_TENSOR_SHA256`` and this key.
 META_TENSOR_XXH3 = "tensor_xxh3"
-#: The ``__metadata__`` keys every file has, in serialised order (plus its tensor checksum key:
-#: ``TENSOR_CHECKSUM_KEY``).
+#: The ``__metadata__`` keys every file has, in serialised order (plus its tensor checksum key).
 METADATA_KEYS = (META_FORMAT, META_FORMAT_VERSION, META_HEADER_SHA256, META_KVPACK)
-#: v2, optional: canonical JSON ``{"group_size": G, "type": "int8"|"int4"}``; present iff the layers are quantized.
+#: Optional: canonical JSON ``{"group_size": G, "type": "int8"|"int4"}``; present iff the KV is quantized.
 META_QUANT = "quant"
-#: v2, optional: canonical JSON mapping each encoded tensor's name to its ``CODEC_KEYS`` object; present iff at
+#: Optional: canonical JSON mapping each encoded tensor's name to its ``CODEC_KEYS`` object; present iff at
 #: least one tensor is stored encoded (zstd).
 META_TENSOR_CODECS = "tensor_codecs"
-#: The optional ``__metadata__`` keys a v2 file may have (both sort after ``format``, so the magic is kept).
-METADATA_KEYS_V2 = (META_QUANT, META_TENSOR_CODECS)
 #: Key of the kvpack metadata that holds ``Pack.sink_tokens``.
 SINK_TOKENS_KEY = "sink_tokens"
 #: Keys of one tensor index entry (safetensors).
@@ -195,8 +188,8 @@ INDEX_KEYS = (INDEX_OFFSETS, INDEX_DTYPE, INDEX_SHAPE)
 SHA256_HEX_LENGTH = 64
 
 # --- tensor checksums ------------------------------------------------------------------------------------------
-#: Tensor checksum algorithms: SHA-256 (versions 1 and 2; cryptographic, ~2 GB/s) and XXH3-128 (version 3;
-#: detects damage, not deliberate tampering, ~50 GB/s). The header checksum is always SHA-256.
+#: Tensor checksum algorithms: XXH3-128 (default; detects damage, not deliberate tampering, ~50 GB/s) and SHA-256
+#: (cryptographic, ~2 GB/s). The header checksum is always SHA-256.
 CHECKSUM_SHA256 = "sha256"
 CHECKSUM_XXH3 = "xxh3"
 CHECKSUMS = (CHECKSUM_XXH3, CHECKSUM_SHA256)
@@ -210,21 +203,20 @@ CHECKSUM_HEX_LENGTH = {CHECKSUM_SHA256: SHA256_HEX_LENGTH, CHECKSUM_XXH3: 32}
 CHECKSUM_NAMES = {CHECKSUM_SHA256: "SHA-256", CHECKSUM_XXH3: "XXH3-128"}
 
 # --- tensors ---------------------------------------------------------------------------------------------------
+#: Every tensor holds all layers, layer 0's part first (``format/SPEC.md`` §5).
 TOKEN_IDS = "token_ids"
 HEAD_LENGTHS = "head_lengths"
-LAYER_PREFIX = "layers"
 KEYS = "keys"
 VALUES = "values"
 POSITIONS = "positions"
+#: Optional: float32 ``[entries]`` additive attention-logit bias of each kept entry (Attention Matching's beta,
+#: arXiv 2602.16284), in the row order of ``positions``; absent means all zero.
+ATTN_BIAS = "attn_bias"
+#: Attention biases must be finite and lie in ``[-MAX_ATTN_BIAS, MAX_ATTN_BIAS]`` (exp(30) ~ 1e13: any larger
+#: bias would swamp every other logit in float16/bfloat16 arithmetic).
+MAX_ATTN_BIAS = 30.0
 LAYER_PARTS = (KEYS, VALUES, POSITIONS)
-
-
-def layer_tensor_name(layer: int, part: str) -> str:
-    """Name of tensor ``part`` (``keys``, ``values`` or ``positions``) of layer ``layer``, e.g. ``layers.3.keys``."""
-    return f"{LAYER_PREFIX}.{layer}.{part}"
-
-
-#: Sections reported by ``PackHeader.bytes_by_section`` (a layer tensor belongs to the section named by its part).
+#: Sections reported by ``PackHeader.bytes_by_section``.
 SECTION_HEADER = "header"
 SECTIONS = (SECTION_HEADER, TOKEN_IDS, HEAD_LENGTHS, KEYS, VALUES, POSITIONS)
 
@@ -243,14 +235,16 @@ CODE_BY_DTYPE = {dtype: code for code, dtype in DTYPE_BY_CODE.items()}
 FLOAT_CODES = ("F32", "F16", "BF16")
 #: Code of token_ids, head_lengths and positions.
 INDEX_INT_CODE = "I32"
+#: Code of ``ATTN_BIAS`` and of ``QUANT_GRID``.
+F32_CODE = "F32"
 INT32_MAX = 2**31 - 1
 
-# --- quantization (v2; KIVI, arXiv 2402.02750) -----------------------------------------------------------------
+# --- quantization (the compact layout; grouping after KIVI, arXiv 2402.02750) -----------------------------------
 
 
 @dataclass(frozen=True)
 class QuantType:
-    """A quantization type: ``name``, ``bits`` per code and ``codes_per_byte`` (codes packed in one uint8)."""
+    """A quantization type: ``name``, ``bits`` per code and ``codes_per_byte`` (value codes packed in one uint8)."""
 
     name: str
     bits: int
@@ -262,9 +256,9 @@ class QuantType:
         return (1 << self.bits) - 1
 
 
-#: No quantization: keys and values are stored in the pack's float dtype (a v1 layout).
+#: No quantization: keys and values are stored in the pack's float dtype.
 QUANT_NONE = "none"
-#: Quantized types. int4: two codes per byte, the even channel in the low nibble, the odd one in the high nibble.
+#: Quantized types. int4: two value codes per byte, the even channel in the low nibble, the odd one in the high one.
 QUANT_TYPES = {
     "int8": QuantType("int8", 8, 1),
     "int4": QuantType("int4", 4, 2),
@@ -276,50 +270,31 @@ GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
 #: Largest group size a reader accepts (any integer in ``[1, MAX_GROUP_SIZE]`` is a valid file).
 MAX_GROUP_SIZE = 65536
-#: Keys of the ``META_QUANT`` object (versions 2 and 3: the KIVI layout).
+#: Keys of the ``META_QUANT`` object.
 QUANT_INFO_KEYS = ("group_size", "type")
-#: Keys of the ``META_QUANT`` object of a version-4 file (``layout`` is ``QUANT_LAYOUT_COMPACT``).
-QUANT_INFO_KEYS_V4 = ("group_size", "layout", "type")
-#: Quantized layouts (``format/SPEC.md`` §5.4 and §5.6). KIVI: float16 group parameters, one code width, each head's
-#: last partial key group in full precision (versions 2 and 3). Compact: per-channel key code widths, 8-bit group
-#: parameters on per-layer grids, every non-sink row of a head with at least one group quantized (versions 4, 5).
-QUANT_LAYOUT_KIVI = "kivi"
+#: The one quantized layout (``format/SPEC.md`` §5.4): per-channel key code widths, 8-bit group parameters on
+#: per-layer grids, every non-sink row of a head with at least one group quantized.
 QUANT_LAYOUT_COMPACT = "compact"
-QUANT_LAYOUTS = (QUANT_LAYOUT_COMPACT, QUANT_LAYOUT_KIVI)
-#: What ``kvpack.compress`` and ``quantize_pack`` use unless told otherwise.
-DEFAULT_QUANT_LAYOUT = QUANT_LAYOUT_COMPACT
-#: Per-layer tensors of a quantized file (besides ``LAYER_PARTS``): codes are ``U8``, scales and mins ``F16``.
+#: Tensors of a quantized file besides ``LAYER_PARTS``, all ``U8`` but the grid (``F32``), each over all layers:
+#: ``key_bits`` ``[layers, kv_heads, head_dim]`` code widths; ``key_codes`` ``[Q, head_dim x bits / 8]`` and
+#: ``value_codes`` ``[Q, head_dim_v x bits / 8]``; ``key_params`` ``[2, key groups, head_dim]`` and
+#: ``value_params`` ``[2, Q, head_dim_v / Gv]`` min and scale codes; ``quant_grid`` ``[layers, 3, head_dim +
+#: head_dim_v / Gv]`` each parameter column's min base, min step and scale base.
 KEY_CODES = "key_codes"
-KEY_SCALES = "key_scales"
-KEY_MINS = "key_mins"
-VALUE_CODES = "value_codes"
-VALUE_SCALES = "value_scales"
-VALUE_MINS = "value_mins"
-QUANT_PARTS = (KEY_CODES, KEY_SCALES, KEY_MINS, VALUE_CODES, VALUE_SCALES, VALUE_MINS)
-#: Per-layer tensors of a compact-layout file (besides ``LAYER_PARTS``), all ``U8`` but the grid (``F32``):
-#: ``key_bits`` ``[kv_heads, head_dim]`` code widths; ``key_params`` ``[2, key groups, head_dim]`` and
-#: ``value_params`` ``[2, rows, head_dim_v / Gv]`` min and scale codes; ``quant_grid`` ``[3, head_dim + head_dim_v
-#: / Gv]`` each parameter column's min base, min step and scale base.
 KEY_BITS = "key_bits"
 KEY_PARAMS = "key_params"
+VALUE_CODES = "value_codes"
 VALUE_PARAMS = "value_params"
 QUANT_GRID = "quant_grid"
 COMPACT_PARTS = (KEY_CODES, KEY_BITS, KEY_PARAMS, VALUE_CODES, VALUE_PARAMS, QUANT_GRID)
-#: The tensors of a version-5 file besides ``TOKEN_IDS`` and ``HEAD_LENGTHS``, each stacked over the layers:
-#: rows (``positions``, ``keys``, ``values``, ``key_codes``, ``value_codes``), the group axis (``key_params``) or
-#: the row axis (``value_params``) run layer after layer; ``key_bits`` and ``quant_grid`` gain a leading layer axis.
-STACKED_PARTS = LAYER_PARTS + COMPACT_PARTS
 #: Widths a compact key channel may have, in bits.
 MIN_KEY_BITS, MAX_KEY_BITS = 1, 8
 #: Widths the compact writer allocates from (``kvpack.compact.allocate_widths``).
 ALLOCATED_KEY_BITS = (2, 8)
-#: dtype code of the codes, and of the scales and mins.
+#: dtype code of the codes and of the 8-bit group parameters.
 QUANT_CODE_CODE = "U8"
-QUANT_PARAM_CODE = "F16"
-#: Scales and mins are clamped to the finite float16 range ``[-QUANT_PARAM_MAX, QUANT_PARAM_MAX]``.
-QUANT_PARAM_MAX = 65504.0
 
-# --- tensor codecs (v2) ----------------------------------------------------------------------------------------
+# --- tensor codecs ---------------------------------------------------------------------------------------------
 #: The one codec: a single zstd frame (RFC 8878) with its content size in the frame header.
 CODEC_ZSTD = "zstd"
 #: Filters applied to the raw little-endian bytes before zstd (and undone after decompressing).
@@ -338,17 +313,22 @@ ZSTD_MIN_LEVEL = 1
 ZSTD_MAX_LEVEL = 22
 #: ``kvpack build --zstd-level`` default.
 DEFAULT_ZSTD_LEVEL = 3
-#: ``kvpack.save`` / ``pack_to_bytes`` default: plain (v1 when unquantized) files, readable by every kvpack.
+#: ``kvpack.save`` / ``pack_to_bytes`` default: raw tensors (any safetensors tool reads them).
 SAVE_DEFAULT_ZSTD_LEVEL = 0
 #: The first 4 bytes of a zstd frame (0xFD2FB528 little-endian).
 ZSTD_FRAME_MAGIC = b"\x28\xb5\x2f\xfd"
 #: A reader refuses a file whose tensors decompress to more than
 #: ``max(EXPANSION_FLOOR_BYTES, MAX_EXPANSION x file size)`` bytes in all (decompression-bomb guard).
 MAX_EXPANSION = 1024
-EXPANSION_FLOOR_BYTES = 1 << 26
+EXPANSION_FLOOR_BYTES = 1 << 24
+
+# --- reading ---------------------------------------------------------------------------------------------------
+#: Bytes a reader holds at once while checksumming or decoding a tensor (``verify``'s whole working buffer).
+READ_CHUNK_BYTES = 8 << 20
 
 # --- saving ----------------------------------------------------------------------------------------------------
-#: ``save`` writes ``<target name>.tmp.<pid>.<random>`` first (matched by ``*.kvpack.tmp*`` in .gitignore).
+#: ``save`` writes ``<target name>.tmp.<pid>.<random>`` first (matched by ``*.kvpack.tmp*`` in .gitignore); the
+#: next save or build in that folder removes such files whose writer process is gone.
 TEMP_INFIX = ".tmp."
 #: Random bytes (hex-encoded) in the temporary name, so concurrent writers never collide.
 TEMP_RANDOM_BYTES = 4

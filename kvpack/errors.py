@@ -57,8 +57,8 @@ class CorruptFileError(PackFormatError):
 
 
 class ChecksumMismatchError(PackFormatError):
-    """A section's bytes do not match its recorded SHA-256: the file was altered or damaged."""
+    """A section's bytes do not match their recorded checksum (SHA-256 or XXH3-128): the file was altered or damaged."""
 
 
 class UnsupportedVersionError(PackFormatError):
-    """The file uses a newer format version than this kvpack reads."""
+    """The file uses another major format version than this kvpack reads (or a pre-1.0 draft)."""

@@ -20,7 +20,11 @@ def question_input_ids(tokenizer, cache: KvpackCache, question: str) -> torch.Te
     The context's ids come first (transformers skips them, as they are cached); the question is laid out as the
     pack's chat layout says (same user turn, then the assistant header).
     """
-    layout = ChatLayout.from_dict(cache.metadata["layout"])
+    meta = cache.metadata.get("layout")
+    if not isinstance(meta, dict):
+        raise InputError("this cache's pack records no chat layout (metadata 'layout'), so a question cannot be "
+                         "phrased after its context; rebuild it with `kvpack build`")
+    layout = ChatLayout.from_dict(meta)
     q = torch.tensor([layout.question_ids(tokenizer, question)], dtype=torch.long)
     return torch.cat([cache.context_ids, q.to(cache.context_ids.device)], dim=-1)
 

@@ -105,7 +105,7 @@ def info_text(file: str | os.PathLike, *, storage_options: dict | None = None) -
     sliding = fp.get("sliding_layers") or []
     rows = [
         ("file", str(file)),
-        ("format", f"kvpack v{header.format_version}, {header.file_bytes:,} bytes, tensor checksums "
+        ("format", f"kvpack {header.format_version}, {header.file_bytes:,} bytes, tensor checksums "
                    f"{C.CHECKSUM_NAMES[header.checksum]}"),
         ("kvpack version", str(meta.get("kvpack_version", "?"))),
         ("model", str(fp.get("name") or "?")),
@@ -173,8 +173,6 @@ def _quantization(header, pack) -> str:
     import torch
 
     head = f"{header.quant_type}, group size {header.group_size}"
-    if header.quant_layout != C.QUANT_LAYOUT_COMPACT:
-        return f"{head}, KIVI layout (keys per channel, values per token; sink and residual rows in full precision)"
     widths = torch.cat([l.quant.key_bits.reshape(-1) for l in pack.layers if l.quant is not None]).long()
     counts = torch.bincount(widths, minlength=C.MAX_KEY_BITS + 1)
     used = [(b, int(n)) for b, n in enumerate(counts.tolist()) if n]

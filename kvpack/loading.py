@@ -10,20 +10,24 @@ from .attention import use_kvpack_attention
 from .cache import KvpackCache
 from .fileformat import load_pack
 from .fingerprint import _cached_fingerprint, check_fingerprint
-from .model import model_spec
+from .errors import ModelMismatchError
+from .model import ModelSpec, model_spec
 from .pack import Pack
 
-__all__ = ["load", "cache_from_pack"]
+__all__ = ["load", "cache_from_pack", "check_shapes"]
 
 
 def cache_from_pack(pack: Pack, model, tokenizer=None, *, device=None, where: str = "the pack") -> KvpackCache:
     """Check ``pack`` against ``model`` (and ``tokenizer`` if given) and build its ``KvpackCache``.
 
-    The KV is cast to the model's dtype and placed on ``device`` (default: the model's device); the model is
-    switched to the ``"kvpack"`` attention. Raises ``ModelMismatchError`` naming both models on mismatch.
+    First the shapes (``check_shapes``: layers, KV heads, head sizes, a float KV dtype), then the fingerprint. The KV
+    is cast to the model's dtype and placed on ``device`` (default: the model's device); the model is switched to
+    the ``"kvpack"`` attention. Raises ``ModelMismatchError`` naming both sides on any mismatch.
     """
+    check_shapes(pack, model_spec(model), model.dtype, where)
     current = _cached_fingerprint(model, tokenizer)  # read only
-    stored = dict(pack.metadata.get("fingerprint", {}))
+    stored = pack.metadata.get("fingerprint", {})
+    stored = dict(stored) if isinstance(stored, dict) else {}
     if tokenizer is None:
         stored.pop("tokenizer_sha256", None)
     check_fingerprint(stored, current, path=where)
@@ -34,13 +38,39 @@ def cache_from_pack(pack: Pack, model, tokenizer=None, *, device=None, where: st
     return KvpackCache.from_pack(pack, device=dev, dtype=model.dtype, sliding_layers=spec.sliding_layers)
 
 
+def check_shapes(pack: Pack, spec: ModelSpec, dtype: torch.dtype, where: str = "the pack") -> None:
+    """Check that ``pack`` fits a model of attention shape ``spec`` before anything is allocated for it: as many
+    layers (``spec.num_layers``), KV heads (``spec.num_kv_heads``) and key/value head sizes (``spec.head_dim``) as the
+    model, and keys/values in a float dtype the model's ``dtype`` can be cast from.
+
+    Raises:
+        ModelMismatchError: naming what differs, the pack's value and the model's.
+    """
+    layers = pack.layers
+    kv = layers[0] if layers else None
+    have = {
+        "layers": len(layers),
+        "KV heads": int(kv.head_lengths.shape[0]) if kv is not None else 0,
+        "key head size": int(kv.keys.shape[1]) if kv is not None else 0,
+        "value head size": int(kv.values.shape[1]) if kv is not None else 0,
+    }
+    want = {"layers": spec.num_layers, "KV heads": spec.num_kv_heads, "key head size": spec.head_dim,
+            "value head size": spec.head_dim}
+    diffs = [f"{k}: the pack has {have[k]}, the model {want[k]}" for k in have if have[k] != want[k]]
+    if kv is not None and (not kv.keys.dtype.is_floating_point or not dtype.is_floating_point):
+        diffs.append(f"dtype: the pack's keys are {kv.keys.dtype}, the model computes in {dtype}")
+    if diffs:
+        raise ModelMismatchError(f"{where} does not fit this model ({'; '.join(diffs)}); load it with the model it "
+                                 "was built for, or rebuild it with `kvpack build --model ...`")
+
+
 def load(path: str | os.PathLike, model, *, device=None, tokenizer=None,
          storage_options: dict | None = None) -> KvpackCache:
     """Load a ``.kvpack`` file into a cache for ``model``, ready for ``kvpack.generate`` or ``model.generate``.
 
     Args:
-        path: the ``.kvpack`` file: a local path or an fsspec URL (``s3://``, ``https://``, ...), read by range
-            (header, then the data region) into memory, no download to disk first.
+        path: the ``.kvpack`` file: a path, a seekable binary file object, or an fsspec URL (``s3://``,
+            ``https://``, ...) read by range (header, then the tensors) into memory, no download to disk first.
         model: the model it was built with (checked by fingerprint: architecture, shapes, RoPE, weights hash).
         device: where to place the cache (default: the model's device).
         tokenizer: if given, its hash is checked too.
@@ -52,7 +82,7 @@ def load(path: str | os.PathLike, model, *, device=None, tokenizer=None,
     Raises:
         InputError: the file cannot be read (missing, no permission, missing fsspec backend).
         PackFormatError subclasses: truncated, corrupt, foreign or newer-version files (nothing is half-loaded).
-        ModelMismatchError: the file was built for another model.
+        ModelMismatchError: the file was built for another model, or its shapes do not fit this one (naming both).
     """
     pack = load_pack(path, storage_options=storage_options)
     return cache_from_pack(pack, model, tokenizer, device=device, where=str(path))

@@ -6,58 +6,52 @@ how many entries head ``h`` of layer ``l`` kept, so head ``h`` occupies rows
 ``offsets[h] : offsets[h] + head_lengths[l, h]`` with ``offsets = [0, cumsum(head_lengths[l])]``. A head may keep
 zero entries. Keys are stored as cached, i.e. after RoPE at their original positions.
 
-A quantized layer (``LayerEntries.quant`` set, ``kvpack.quant``) keeps the same ``positions`` and ``head_lengths``
-but splits each head's rows: the sink rows and the trailing residual rows stay in ``keys``/``values`` (full
-precision), the body rows in between are in ``quant`` as int8/int4 codes with their group parameters
-(``QuantizedRows``: the KIVI layout of format versions 2-3, or the compact layout of versions 4 and 5).
+A quantized layer (``LayerEntries.quant`` set) keeps the same ``positions`` and ``head_lengths`` but splits each
+head's rows: the sink rows (and the rows of a head too short to fill a group) stay in ``keys``/``values`` (full
+precision), the body rows are in ``quant`` as int8/int4 codes with their group parameters (``QuantizedRows``, the
+compact layout of ``format/SPEC.md`` §5.4; the codec is ``kvpack.compact``). ``LayerEntries.dequantized`` (and
+``dequantize_bodies`` for several layers at once) gives the rows back in full precision.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["QuantizedRows", "LayerEntries", "Pack"]
+from . import constants as C
+from .compact import dequantize_compact_layers
+
+__all__ = ["QuantizedRows", "LayerEntries", "Pack", "head_row_pieces", "DequantizedBodies", "dequantize_bodies",
+           "dequantize_layer"]
 
 
 @dataclass
 class QuantizedRows:
-    """The quantized "body" rows of one layer, in one of two layouts (``format/SPEC.md`` §5.4 and §5.6).
+    """The quantized "body" rows of one layer in the compact layout (``format/SPEC.md`` §5.4, ``kvpack.compact``).
 
     Head ``h`` of the layer has ``n_h`` entries in position order: ``sink_lengths[h]`` sink rows (position below
-    the pack's ``sink_tokens``), then ``body_lengths[h]`` quantized rows, then the residual rows (full precision).
-    The body rows of all heads, head 0 first, give ``Q = body_lengths.sum()`` rows. Keys are quantized per channel
-    over groups of ``G`` consecutive body rows of one head, values per row over groups of ``Gv = min(G,
-    head_dim_v)`` channels (KIVI, arXiv 2402.02750 §3).
-
-    ``layout == "kivi"`` (format versions 2 and 3, ``kvpack.quant``): ``body_lengths[h]`` is a multiple of ``G``
-    (as many rows as fit); one code width (``qtype``'s bits); float16 scales and mins.
-
-    ``layout == "compact"`` (format versions 4 and 5, ``kvpack.compact``): ``body_lengths[h]`` is every non-sink
-    row when there are at least ``G`` of them (else 0), so a head's last key group may be shorter than ``G``; each
-    head's key channels have their own code widths; scales and mins are 8-bit codes on per-layer grids.
+    the pack's ``sink_tokens``), then ``body_lengths[h]`` quantized rows: every non-sink row when there are at
+    least ``G`` of them, else 0 (the head then stays in full precision). The body rows of all heads, head 0 first,
+    give ``Q = body_lengths.sum()`` rows. Keys are quantized per channel over groups of ``G`` consecutive body rows
+    of one head (a head's last group may be shorter), values per row over groups of ``Gv = min(G, head_dim_v)``
+    channels (KIVI's grouping, arXiv 2402.02750 §3).
 
     Attributes:
         qtype: ``"int8"`` or ``"int4"`` (``constants.QUANT_TYPES``).
         group_size: ``G``.
         sink_lengths: ``[kv_heads]`` int64 unquantized leading sink rows per head.
         body_lengths: ``[kv_heads]`` int64 quantized rows per head.
-        key_codes: ``[Q, head_dim x bits / 8]`` uint8. KIVI: codes packed ``codes_per_byte`` to a byte (even channel
-            in the low nibble for int4). Compact: each row a little-endian bit string of its channels' codes of
-            ``key_bits`` widths (all widths equal to ``bits``: the same bytes as KIVI).
-        key_scales, key_mins: KIVI: ``[Q / G, head_dim]`` float16. Compact: ``None``.
-        value_codes: ``[Q, head_dim_v / codes_per_byte]`` uint8 (both layouts).
-        value_scales, value_mins: KIVI: ``[Q, head_dim_v / Gv]`` float16. Compact: ``None``.
-        layout: ``"kivi"`` or ``"compact"`` (``constants.QUANT_LAYOUTS``).
-        key_bits: compact: ``[kv_heads, head_dim]`` uint8 code width of each head's channels, summing to
-            ``bits x head_dim`` per head.
-        key_params: compact: ``[2, K, head_dim]`` uint8 min and scale codes of the ``K = sum_h ceil(body_h / G)``
-            key groups, head 0's first.
-        value_params: compact: ``[2, Q, head_dim_v / Gv]`` uint8 min and scale codes of the value groups.
-        quant_grid: compact: ``[3, head_dim + head_dim_v / Gv]`` float32: per parameter column (the key channels,
-            then the value groups) the min base, the min step and the scale base.
+        key_codes: ``[Q, head_dim x bits / 8]`` uint8, each row a little-endian bit string of its channels' codes of
+            ``key_bits`` widths.
+        value_codes: ``[Q, head_dim_v x bits / 8]`` uint8 (int4: even channel in the low nibble).
+        key_bits: ``[kv_heads, head_dim]`` uint8 code width of each head's channels, summing to ``bits x head_dim``.
+        key_params: ``[2, K, head_dim]`` uint8 min and scale codes of the ``K = sum_h ceil(body_h / G)`` key groups.
+        value_params: ``[2, Q, head_dim_v / Gv]`` uint8 min and scale codes of the value groups.
+        quant_grid: ``[3, head_dim + head_dim_v / Gv]`` float32: per parameter column (the key channels, then the
+            value groups) the min base, the min step and the scale base.
     """
 
     qtype: str
@@ -65,16 +59,14 @@ class QuantizedRows:
     sink_lengths: torch.Tensor
     body_lengths: torch.Tensor
     key_codes: torch.Tensor
-    key_scales: torch.Tensor | None
-    key_mins: torch.Tensor | None
     value_codes: torch.Tensor
-    value_scales: torch.Tensor | None
-    value_mins: torch.Tensor | None
-    layout: str = "kivi"
-    key_bits: torch.Tensor | None = None
-    key_params: torch.Tensor | None = None
-    value_params: torch.Tensor | None = None
-    quant_grid: torch.Tensor | None = None
+    key_bits: torch.Tensor
+    key_params: torch.Tensor
+    value_params: torch.Tensor
+    quant_grid: torch.Tensor
+
+    #: The one quantized layout (kept so that callers can name it).
+    layout = C.QUANT_LAYOUT_COMPACT
 
     @property
     def rows(self) -> int:
@@ -82,12 +74,8 @@ class QuantizedRows:
         return int(self.key_codes.shape[0])
 
     def parts(self) -> dict[str, torch.Tensor]:
-        """The tensors a file stores for this layer's quantized rows, by part name (``constants.QUANT_PARTS`` for
-        the KIVI layout, ``constants.COMPACT_PARTS`` for the compact one)."""
-        from . import constants as C
-
-        names = C.COMPACT_PARTS if self.layout == C.QUANT_LAYOUT_COMPACT else C.QUANT_PARTS
-        return {name: getattr(self, name) for name in names}
+        """The tensors a file stores for this layer's quantized rows, by part name (``constants.COMPACT_PARTS``)."""
+        return {name: getattr(self, name) for name in C.COMPACT_PARTS}
 
 
 @dataclass
@@ -100,8 +88,11 @@ class LayerEntries:
         positions: ``[entries]`` int32 original token positions (RoPE positions), increasing within a head.
         head_lengths: ``[kv_heads]`` int64 entries kept per KV head; sums to ``entries``.
         quant: ``None`` (keys and values hold all ``entries`` rows), or the quantized body rows; then ``keys`` and
-            ``values`` hold only the full-precision rows (per head: sink rows, then residual rows), and
-            ``dequantized()`` gives back all rows.
+            ``values`` hold only the full-precision rows (per head: its sink rows, or all its rows if it has fewer
+            than ``G`` non-sink rows), and ``dequantized()`` gives back all rows.
+        biases: ``None`` (all zero), or ``[entries]`` float32: the additive attention-logit bias beta of each kept
+            entry (Attention Matching, arXiv 2602.16284), in the row order of ``positions``; added to the logit
+            ``q . k / sqrt(d)`` of the entry. Never quantized; finite, within ``[-MAX_ATTN_BIAS, MAX_ATTN_BIAS]``.
     """
 
     keys: torch.Tensor
@@ -109,6 +100,7 @@ class LayerEntries:
     positions: torch.Tensor
     head_lengths: torch.Tensor
     quant: QuantizedRows | None = None
+    biases: torch.Tensor | None = None
 
     def head_offsets(self) -> torch.Tensor:
         """``[kv_heads + 1]`` int64 row offsets of each head's entries (exclusive prefix sum of ``head_lengths``)."""
@@ -133,15 +125,14 @@ class LayerEntries:
     def dequantized(self, dtype: torch.dtype | None = None) -> "LayerEntries":
         """This layer with every row in full precision (itself, cast to ``dtype`` if given, when not quantized).
 
-        Quantized rows are dequantized as ``code x scale + min`` in float32 (``kvpack.quant``), then cast to
-        ``dtype`` (default: the dtype of ``keys``).
+        Quantized rows are dequantized as ``code x scale + min`` in float32 (``kvpack.compact``), then cast to
+        ``dtype`` (default: the dtype of ``keys``). ``biases`` are kept.
         """
         if self.quant is None:
             if dtype is None:
                 return self
-            return LayerEntries(self.keys.to(dtype), self.values.to(dtype), self.positions, self.head_lengths)
-        from .quant import dequantize_layer
-
+            return LayerEntries(self.keys.to(dtype), self.values.to(dtype), self.positions, self.head_lengths,
+                                biases=self.biases)
         return dequantize_layer(self, dtype)
 
 
@@ -183,3 +174,98 @@ class Pack:
     def kept_entries(self) -> int:
         """Entries kept over all layers and heads (sink entries included)."""
         return sum(layer.num_entries for layer in self.layers)
+
+
+def head_row_pieces(entries: LayerEntries, dtype: torch.dtype | None = None,
+                    bodies: tuple[torch.Tensor, torch.Tensor, list[int], list[int]] | None = None
+                    ) -> tuple[list[int], list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """Each head's keys and values in full precision, as lists of row blocks to concatenate (no copy yet).
+
+    For an unquantized layer head ``h`` is one block of ``keys`` / ``values``. For a quantized one it is up to three
+    blocks in position order: its sink rows (full precision), its body rows (dequantized, float32) and, in a head
+    too short to quantize, its other rows (full precision). Blocks are cast to ``dtype`` (default:
+    the dtype of ``entries.keys``); empty blocks are left out. ``bodies``: the layer's body rows already
+    dequantized, ``(keys, values, key_starts, value_starts)`` with head ``h``'s body rows at rows ``key_starts[h]``
+    and ``value_starts[h]`` onwards (``dequantize_bodies``, with the layer's rows of its starts as lists);
+    dequantized here when ``None``.
+
+    Returns:
+        ``(lengths, key_blocks, value_blocks)``: ``lengths[h]`` rows of head ``h`` (Python ints, ``kv_heads`` of
+        them); ``key_blocks[h]`` views ``[rows, head_dim]`` and ``value_blocks[h]`` views ``[rows, head_dim_v]``
+        whose row counts add up to ``lengths[h]``. The views may share memory with ``entries``.
+    """
+    dt = dtype or entries.keys.dtype
+    keys, values = entries.keys.to(dt), entries.values.to(dt)
+    lengths = entries.head_lengths.tolist()
+    qr = entries.quant
+    if qr is None:
+        key_blocks, value_blocks, start = [], [], 0
+        for n in lengths:
+            key_blocks.append([keys[start : start + n]] if n else [])
+            value_blocks.append([values[start : start + n]] if n else [])
+            start += n
+        return lengths, key_blocks, value_blocks
+    if bodies is None:
+        body_keys, body_values, key_starts, value_starts = dequantize_bodies([qr])
+        key_starts, value_starts = key_starts[0].tolist(), value_starts[0].tolist()
+    else:
+        body_keys, body_values, key_starts, value_starts = bodies
+    body_keys, body_values = body_keys.to(dt), body_values.to(dt)
+    key_blocks, value_blocks = [], []
+    fp = 0  # next full-precision row
+    for n, s, b, kq, vq in zip(lengths, qr.sink_lengths.tolist(), qr.body_lengths.tolist(), key_starts, value_starts):
+        r = n - s - b
+        # (first row, rows) of the sink, body and residual blocks of this head, in their sources
+        key_blocks.append([x[a : a + m] for x, a, m in ((keys, fp, s), (body_keys, kq, b), (keys, fp + s, r)) if m])
+        value_blocks.append([x[a : a + m] for x, a, m in ((values, fp, s), (body_values, vq, b), (values, fp + s, r))
+                             if m])
+        fp += s + r
+    return lengths, key_blocks, value_blocks
+
+
+class DequantizedBodies(NamedTuple):
+    """The body rows of several quantized layers in full precision (``dequantize_bodies``; KIVI's grouping,
+    arXiv 2402.02750 §3, in the compact layout).
+
+    ``keys`` float32 ``[key rows, head_dim]`` and ``values`` float32 ``[value rows, head_dim_v]``; the body rows of
+    head ``h`` of layer ``l`` are rows ``key_starts[l, h]`` (of ``keys``) and ``value_starts[l, h]`` (of ``values``)
+    onwards, ``body_lengths[h]`` of them, in order (``key_starts``, ``value_starts``: int64 ``[layers, kv_heads]``).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_starts: torch.Tensor
+    value_starts: torch.Tensor
+
+
+def dequantize_bodies(quants: list[QuantizedRows]) -> DequantizedBodies:
+    """The body rows of several layers dequantized together (``compact.dequantize_compact_layers``: the key rows are
+    padded so that each key group is ``G`` aligned rows; no errors raised beyond torch's for mismatched shapes).
+
+    Args:
+        quants: the layers' ``QuantizedRows``, all with the same ``qtype``, ``group_size`` and head sizes (each layer
+            uses its own grids and widths).
+    """
+    body = [b for q in quants for b in q.body_lengths.tolist()]
+    back_to_back = torch.tensor(list(itertools.accumulate([0] + body[:-1])), dtype=torch.int64).view(len(quants), -1)
+    keys, values, key_starts = dequantize_compact_layers(quants)
+    return DequantizedBodies(keys, values, key_starts, back_to_back)
+
+
+def dequantize_layer(entries: LayerEntries, dtype: torch.dtype | None = None) -> LayerEntries:
+    """All rows of a quantized layer in full precision (``LayerEntries.dequantized`` calls this).
+
+    Body rows are dequantized in float32 (``dequantize_bodies``) and cast to ``dtype`` (default: the dtype of
+    ``entries.keys``); full-precision rows are copied. Returns an unquantized ``LayerEntries`` with the same
+    positions, head lengths and biases: keys ``[entries, head_dim]``, values ``[entries, head_dim_v]``.
+    """
+    if entries.quant is None:
+        return entries.dequantized(dtype)
+    dt = dtype or entries.keys.dtype
+    _, key_blocks, value_blocks = head_row_pieces(entries, dt)
+    keys = [block for blocks in key_blocks for block in blocks]
+    values = [block for blocks in value_blocks for block in blocks]
+    n = entries.num_entries
+    keys = torch.cat(keys) if keys else torch.empty(n, entries.keys.shape[1], dtype=dt)
+    values = torch.cat(values) if values else torch.empty(n, entries.values.shape[1], dtype=dt)
+    return LayerEntries(keys, values, entries.positions, entries.head_lengths, biases=entries.biases)

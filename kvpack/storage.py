@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Iterable
 
 from . import constants as C
+from . import container
 from .errors import InputError
 
 __all__ = ["is_url", "as_path", "join", "parent_of", "name_of", "stem_of", "open_read", "read_bytes", "file_size",
@@ -139,7 +140,8 @@ def open_read(path: str | os.PathLike, storage_options: dict | None = None) -> B
 
     A local path gives an unbuffered ``open(path, "rb")``. A URL gives the backend's file object opened without
     read-ahead cache (``cache_type="none"``), so ``f.seek(o); f.read(n)`` fetches exactly bytes ``[o, o + n)`` in
-    one range request; ``f.readinto(buffer)`` works too. The object has a ``size`` attribute (bytes) for URLs.
+    one range request; ``f.readinto(buffer)`` works too. The object has a ``size`` attribute (bytes) for URLs and
+    ``name`` set to the URL.
 
     Raises:
         InputError: the file does not exist, is a folder, cannot be read, or the protocol's backend is missing.
@@ -152,12 +154,17 @@ def open_read(path: str | os.PathLike, storage_options: dict | None = None) -> B
             raise InputError(f"cannot read {local}: {_os_problem(exc)}; check the path") from None
     fs, inner = _fs(path, storage_options)
     try:  # no isdir() first: on http(s) that would GET the whole page to look for links
-        return fs.open(inner, "rb", block_size=_BLOCK_SIZE, cache_type="none")
+        f = fs.open(inner, "rb", block_size=_BLOCK_SIZE, cache_type="none")
     except IsADirectoryError:
         raise InputError(f"cannot read {path}: it is a folder; give the URL of a file") from None
     except (OSError, ValueError, NotImplementedError) as exc:  # fsspec backends raise OSError subclasses
         raise InputError(f"cannot read {path}: {_os_problem(exc)}; check the URL, the credentials and the "
                          "--storage-option values") from None
+    try:  # readers name the file in their messages by ``name``; fsspec's objects have none
+        f.name = path
+    except AttributeError:
+        pass
+    return f
 
 
 def read_bytes(path: str | os.PathLike, storage_options: dict | None = None) -> bytes:
@@ -297,21 +304,25 @@ def _temp_name(target: str) -> str:
     return f"{target}{C.TEMP_INFIX}{os.getpid()}.{secrets.token_hex(C.TEMP_RANDOM_BYTES)}"
 
 
-def write_atomic(path: str | os.PathLike, data: bytes | memoryview, storage_options: dict | None = None) -> int:
-    """Write ``data`` to ``path`` so that ``path`` never holds a partial file; return the bytes written.
+def write_atomic(path: str | os.PathLike, data: bytes | memoryview | list[bytes],
+                 storage_options: dict | None = None) -> int:
+    """Write ``data`` (bytes, or a list of byte chunks written in order) to ``path`` so that ``path`` never holds a
+    partial file; return the bytes written.
 
-    The method per backend is in the module docstring (``write_method``): local temporary file + ``os.replace``
-    (fsynced), one whole-object put on object stores, temporary name + ``fs.mv`` elsewhere. On an error the
-    temporary file is removed (best effort) and an existing ``path`` is left untouched.
+    The method per backend is in the module docstring (``write_method``): locally ``kvpack.container.write_atomic``
+    (temporary file, fsync, ``os.replace``; stale temporaries of dead writers removed first), one whole-object put
+    on object stores, temporary name + ``fs.mv`` elsewhere. On an error the temporary file is removed (best
+    effort) and an existing ``path`` is left untouched.
 
     Raises:
         InputError: the file cannot be written (missing folder, no permission, disk full, read-only protocol,
             missing backend, bad credentials).
     """
+    chunks = data if isinstance(data, list) else [data]
     method = write_method(path, storage_options)
     if method == "replace":
-        _write_local(os.fspath(_local(path)), data)
-        return len(data)
+        return container.write_atomic(_local(path), chunks)
+    data = b"".join(chunks)
     fs, inner = _fs(path, storage_options)
     tmp = _temp_name(inner)
     try:
@@ -329,46 +340,6 @@ def write_atomic(path: str | os.PathLike, data: bytes | memoryview, storage_opti
         raise InputError(f"cannot write {path}: {_os_problem(exc)}; check the URL, the permissions and the "
                          "--storage-option values") from None
     return len(data)
-
-
-def _write_local(target: str, data: bytes | memoryview) -> None:
-    tmp = _temp_name(target)
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), C.TEMP_FILE_MODE)
-    except OSError as exc:
-        raise InputError(
-            f"cannot save {target}: {exc.strerror or exc}; check that the folder exists and is writable"
-        ) from exc
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException as exc:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        if isinstance(exc, OSError):
-            reason = exc.strerror or exc
-            raise InputError(f"cannot save {target}: {reason}; check the disk space and permissions") from exc
-        raise
-    _fsync_folder(os.path.dirname(os.path.abspath(target)))
-
-
-def _fsync_folder(folder: str) -> None:
-    """Best effort: make the rename durable (POSIX only)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,19 +1,13 @@
-"""Hand-made, deterministic Packs behind the golden files in ``format/golden/``.
+"""Hand-made, deterministic Packs behind the golden files of format 1.0 in ``format/golden/``.
 
 Regenerate the golden files (only after an intended format change, then review the diff and the spec):
 
     python -m tests.golden_packs          # from the repository root
 
 Every value is exactly representable in float16 and bfloat16, so no rounding depends on the platform.
-
-``GOLDEN`` holds the version-1 files (plain tensors); ``GOLDEN_V2`` the version-2 ones (quantized with the
-reference codec ``kvpack.quant``, and/or zstd-compressed); both use SHA-256 tensor checksums
-(``checksum="sha256"``). ``GOLDEN_V3`` holds version-3 files (XXH3-128 tensor checksums, the writer's default),
-``GOLDEN_V5`` version-5 files (the compact quantized layout, ``kvpack.compact``, tensors stacked over the layers).
-``GOLDEN_V4`` names the version-4 file (the compact layout with per-layer tensors), which the writer no longer
-makes: it is kept as written, to test that version-4 files stay readable. zstd's output depends on the zstd
-library, so the exact bytes of the zstd files are pinned for ``GOLDEN_ZSTD_LIBRARY`` only (reading them works with
-any).
+``GOLDEN`` maps each file name to ``(the Pack it holds, zstd level, tensor checksum)``. zstd's output depends on
+the zstd library, so the exact bytes of the zstd files are pinned for ``GOLDEN_ZSTD_LIBRARY`` only (reading them
+works with any).
 """
 
 from __future__ import annotations
@@ -54,7 +48,7 @@ def _metadata(method: str, ratio: float, layers: int) -> dict:
         "ratio": ratio,
         "fingerprint": {"model": "golden-toy", "num_layers": layers, "kv_heads": 2, "head_dim": 4},
         "source": {"name": "notes-é.txt", "sha256": "0" * 64},
-        "layout": {"question_prefix": "\n\nQuestion: ", "question_suffix": ""},
+        "layout": {"prefix": "<s>", "separator": "\n\nQuestion: ", "turn_end": "\nAnswer:", "templated": False},
         "layer_kinds": ["compressed"] * layers,
         "kvpack_version": "0.1.0",
         "stats": {"kept_entries": 0, "note": "hand-made"},
@@ -137,60 +131,43 @@ def golden_unquantized_for_int() -> Pack:
     )
 
 
-def golden_int4() -> Pack:
-    """``golden_unquantized_for_int`` quantized to int4, group size 32, by the reference codec."""
-    return quantize_pack(golden_unquantized_for_int(), "int4", 32, "kivi")
-
-
-def golden_int8() -> Pack:
-    """``golden_unquantized_for_int`` quantized to int8, group size 32, by the reference codec."""
-    return quantize_pack(golden_unquantized_for_int(), "int8", 32, "kivi")
-
-
-#: Query energy behind the compact golden file's key code widths: per layer ``[kv_heads, head_dim]``; layer 1's
+#: Query energy behind the quantized golden files' key code widths: per layer ``[kv_heads, head_dim]``; layer 1's
 #: head 1 has none (uniform widths).
 GOLDEN_QUERY_ENERGY = (((4.0, 1.0, 0.25, 1.0), (1.0, 1.0, 1.0, 1.0)), ((0.5, 2.0, 8.0, 1.0), (0.0, 0.0, 0.0, 0.0)))
 
 
-def golden_int4_compact() -> Pack:
-    """``golden_unquantized_for_int`` quantized to int4, group size 32, in the compact layout (format versions 4, 5)
-    with the key code widths of ``GOLDEN_QUERY_ENERGY``. (sink, quantized, residual) rows per head: layer 0
-    (2, 36, 0) (a 4-row last group) and (2, 0, 3) (too short), layer 1 (2, 46, 0) and (0, 33, 0) (a 1-row group)."""
+def golden_int4() -> Pack:
+    """``golden_unquantized_for_int`` quantized to int4, group size 32, in the compact layout with the key code
+    widths of ``GOLDEN_QUERY_ENERGY``. (sink, quantized, full-precision) rows per head: layer 0 (2, 36, 0) (a 4-row
+    last group) and (2, 0, 3) (too short), layer 1 (2, 46, 0) and (0, 33, 0) (a 1-row group)."""
     energy = [torch.tensor(e, dtype=torch.float64) for e in GOLDEN_QUERY_ENERGY]
-    return quantize_pack(golden_unquantized_for_int(), "int4", 32, "compact", energy)
+    return quantize_pack(golden_unquantized_for_int(), "int4", 32, energy)
 
 
-#: Golden file name -> the Pack it holds (version 1: plain tensors, no zstd).
+def golden_int8() -> Pack:
+    """``golden_unquantized_for_int`` quantized to int8, group size 32 (uniform 8-bit key widths)."""
+    return quantize_pack(golden_unquantized_for_int(), "int8", 32)
+
+
+def golden_f32_biases() -> Pack:
+    """``golden_f32`` with attention biases on layer 0 only (layer 1 has none: stored as zeros), spanning the
+    allowed range: ``[-30, -0.5, 0, 2.25]`` for head 0 and ``[30, 1, -1]`` for head 1."""
+    pack = golden_f32()
+    pack.layers[0].biases = torch.tensor([-30.0, -0.5, 0.0, 2.25, 30.0, 1.0, -1.0])
+    return pack
+
+
+#: Golden file name -> (the Pack it holds, the zstd level, the tensor checksum it is saved with).
 GOLDEN = {
-    "small_f32.kvpack": golden_f32,
-    "small_bf16.kvpack": golden_bf16,
-    "small_f16_narrow_values.kvpack": golden_f16_narrow_values,
-}
-
-#: Version-2 golden file name -> (the Pack it holds, the zstd level it is saved with).
-GOLDEN_V2 = {
-    "small_int4.kvpack": (golden_int4, 0),
-    "small_int8.kvpack": (golden_int8, 0),
-    "small_f32_zstd.kvpack": (golden_f32, 3),
-    "small_int4_zstd.kvpack": (golden_int4, 3),
-}
-
-#: Version-3 golden file name -> (the Pack it holds, the zstd level it is saved with); XXH3-128 tensor checksums.
-GOLDEN_V3 = {
-    "small_f32_xxh3.kvpack": (golden_f32, 0),
-    "small_int4_zstd_xxh3.kvpack": (golden_int4, 3),
-}
-
-#: Version-4 golden file name -> (the Pack it holds, the zstd level it was saved with); XXH3-128 tensor checksums.
-#: Written by kvpack before version 5 and kept as it is (``regenerate`` leaves it alone).
-GOLDEN_V4 = {
-    "small_int4_compact.kvpack": (golden_int4_compact, 0),
-}
-
-#: Version-5 golden file name -> (the Pack it holds, the zstd level it is saved with); XXH3-128 tensor checksums.
-GOLDEN_V5 = {
-    "small_int4_stacked.kvpack": (golden_int4_compact, 0),
-    "small_int4_stacked_zstd.kvpack": (golden_int4_compact, 3),
+    "small_f32.kvpack": (golden_f32, 0, "xxh3"),
+    "small_bf16.kvpack": (golden_bf16, 0, "xxh3"),
+    "small_f16_narrow_values.kvpack": (golden_f16_narrow_values, 0, "xxh3"),
+    "small_f32_sha256.kvpack": (golden_f32, 0, "sha256"),
+    "small_f32_zstd.kvpack": (golden_f32, 3, "xxh3"),
+    "small_f32_biases.kvpack": (golden_f32_biases, 0, "xxh3"),
+    "small_int4.kvpack": (golden_int4, 0, "xxh3"),
+    "small_int8.kvpack": (golden_int8, 0, "xxh3"),
+    "small_int4_zstd.kvpack": (golden_int4, 3, "xxh3"),
 }
 
 #: ``zstandard.ZSTD_VERSION`` of the zstd library that wrote the zstd golden files.
@@ -198,18 +175,14 @@ GOLDEN_ZSTD_LIBRARY = (1, 5, 7)
 
 
 def regenerate(folder: Path = GOLDEN_DIR) -> list[Path]:
-    """Rewrite every golden file in ``folder`` from its Pack (the version-4 one excepted: the writer no longer makes
-    version 4); return the paths written."""
+    """Rewrite every golden file in ``folder`` from its Pack, removing the others; return the paths written."""
     folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("*.kvpack"):
+        if old.name not in GOLDEN:
+            old.unlink()
     paths = []
-    for name, make in GOLDEN.items():
-        save(make(), folder / name, checksum="sha256")
-        paths.append(folder / name)
-    for name, (make, level) in GOLDEN_V2.items():
-        save(make(), folder / name, zstd_level=level, checksum="sha256")
-        paths.append(folder / name)
-    for name, (make, level) in {**GOLDEN_V3, **GOLDEN_V5}.items():
-        save(make(), folder / name, zstd_level=level)
+    for name, (make, level, checksum) in GOLDEN.items():
+        save(make(), folder / name, zstd_level=level, checksum=checksum)
         paths.append(folder / name)
     return paths
 

@@ -103,7 +103,7 @@ def test_build_skips_up_to_date_packs_and_rebuilds_on_new_settings(built, models
 def test_info_describes_the_pack(built):
     _, packs = built
     out = _run(["info", str(packs / "alpha.kvpack")]).stdout
-    for pattern in (r"format\s+kvpack v3, [\d,]+ bytes, tensor checksums XXH3-128", r"(?m)quantization\s+none$",
+    for pattern in (r"format\s+kvpack 1\.0, [\d,]+ bytes, tensor checksums XXH3-128", r"(?m)quantization\s+none$",
                     r"zstd\s+level 3: [\d,]+ bytes on disk, [\d,]+ decoded",
                     r"method\s+kvzip \(chunk_size=64, tail_tokens=8\)", r"ratio\s+0\.3",
                     r"architecture\s+LlamaForCausalLM", r"heads\s+4 query, 2 KV", r"head dim\s+16",
@@ -239,11 +239,11 @@ def test_build_quantized_packs_and_info_shows_quantization_and_errors(models, tm
             "64", "--ratio", "1.0", "--out", str(out)]
     _run(base + ["--zstd-level", "0", "--checksum", "sha256"])
     info = _run(["info", str(out / "alpha.kvpack")]).stdout
-    assert re.search(r"format\s+kvpack v1, [\d,]+ bytes, tensor checksums SHA-256", info)
+    assert re.search(r"format\s+kvpack 1\.0, [\d,]+ bytes, tensor checksums SHA-256", info)
     assert _status(_run(base + ["--zstd-level", "0"])) == {"alpha": "replaced"}  # another checksum: rebuilt
     plain = (out / "alpha.kvpack").stat().st_size
     info = _run(["info", str(out / "alpha.kvpack")]).stdout
-    assert re.search(r"format\s+kvpack v3, [\d,]+ bytes, tensor checksums XXH3-128", info)
+    assert re.search(r"format\s+kvpack 1\.0, [\d,]+ bytes, tensor checksums XXH3-128", info)
     assert re.search(r"zstd\s+off$", info, re.M) and "quantization error per layer" not in info
 
     assert _status(_run(base + ["--quant", "int4"])) == {"alpha": "replaced"}  # quantization is a new setting
@@ -253,7 +253,7 @@ def test_build_quantized_packs_and_info_shows_quantization_and_errors(models, tm
         "alpha": "replaced"}
     assert (out / "alpha.kvpack").stat().st_size < plain / 3
     info = _run(["info", str(out / "alpha.kvpack")]).stdout
-    assert re.search(r"format\s+kvpack v5, ", info) and re.search(r"zstd\s+level 5: ", info)
+    assert re.search(r"format\s+kvpack 1\.0, ", info) and re.search(r"zstd\s+level 5: ", info)
     assert re.search(r"quantization\s+int4, group size 64, compact layout \(key code widths ", info)
     rows = re.findall(r"^\s+(\d)\s+([\d.e-]+)\s+([\d.e-]+)\s+([\d.e-]+)\s+([\d.e-]+)\s+([\d.]+)%$", info, re.M)
     assert [r[0] for r in rows] == ["0", "1"], info
@@ -265,10 +265,10 @@ def test_build_quantized_packs_and_info_shows_quantization_and_errors(models, tm
     res = _run(["ask", str(out / "alpha.kvpack"), "What is the secret code of Alice?", "--model", models["llama"],
                 "--device", "cpu", "--max-new-tokens", "4"])
     assert res.stdout.endswith("\n")
-    # SHA-256 checksums ask for files older readers take: the KIVI layout of format v2; a layout change rebuilds
+    # SHA-256 checksums: the same compact layout; another checksum rebuilds
     assert _status(_run(base + ["--quant", "int4", "--checksum", "sha256"])) == {"alpha": "replaced"}
     info = _run(["info", str(out / "alpha.kvpack")]).stdout
-    assert re.search(r"format\s+kvpack v2, ", info) and re.search(r"int4, group size 32, KIVI layout", info)
+    assert re.search(r"tensor checksums SHA-256", info) and re.search(r"int4, group size 32, compact layout", info)
 
 
 def test_int4_build_fits_a_16_dim_head(docs, models, tmp_path):

@@ -1,4 +1,4 @@
-"""The compact quantized layout (format version 4, ``kvpack.compact``): widths, bit strings, grids, layers, files."""
+"""The compact quantized layout of format 1.0 (``kvpack.compact``): widths, bit strings, grids, layers, files."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import itertools
 
 import pytest
 import torch
-import zstandard
 
 import kvpack
 from kvpack import constants as C
@@ -29,8 +28,8 @@ from kvpack.fileformat import load_pack, pack_to_bytes, read_header
 from kvpack.pack import LayerEntries, Pack
 from kvpack.quant import dequantize_rows, pack_codes, quantize_layer, quantize_pack
 
-from .golden_packs import GOLDEN_DIR, GOLDEN_V4, GOLDEN_V5, GOLDEN_ZSTD_LIBRARY, golden_unquantized_for_int
-from .test_fileformat_v2 import assert_packs_equal
+from .golden_packs import GOLDEN_DIR, golden_int4, golden_unquantized_for_int
+from .test_fileformat import assert_packs_equal
 from .tiny import ARCHITECTURES, TEXT, tiny_model
 
 
@@ -76,7 +75,7 @@ def test_bit_strings_round_trip_any_widths(rows):
         assert torch.equal(unpack_bits(packed, w), codes.float())
 
 
-def test_uniform_widths_are_the_kivi_packing():
+def test_uniform_widths_are_the_nibble_packing():
     codes = torch.randint(0, 16, (5, 6))
     assert torch.equal(pack_bits(codes, torch.full((6,), 4)), pack_codes(codes, "int4"))
     codes = torch.randint(0, 256, (5, 6))
@@ -165,7 +164,7 @@ def _check_bound(layer: LayerEntries, q: LayerEntries) -> None:
 def test_compact_layer_error_bound_and_split(qtype, lengths):
     layer = _layer(lengths)
     energy = torch.rand(len(lengths), 8, generator=torch.Generator().manual_seed(1)) ** 3
-    q = quantize_layer(layer, 2, qtype, 16, "compact", energy)
+    q = quantize_layer(layer, 2, qtype, 16, energy)
     sink, body = compact_split(layer.positions, layer.head_lengths, 2, 16)
     assert q.quant.body_lengths.tolist() == body.tolist()
     assert body.tolist() == [n - 2 if n - 2 >= 16 else 0 for n in lengths]  # every non-sink row, or none
@@ -179,7 +178,7 @@ def test_compact_all_zero_and_constant_groups_are_exact():
     layer = _layer([40], outliers=False)
     layer.keys[:] = 0.0
     layer.values[:] = 3.25
-    q = quantize_layer(layer, 2, "int4", 32, "compact", torch.ones(1, 8))
+    q = quantize_layer(layer, 2, "int4", 32, torch.ones(1, 8))
     deq = q.dequantized(torch.float32)
     assert torch.equal(deq.keys, layer.keys) and torch.equal(deq.values, layer.values)
 
@@ -188,10 +187,10 @@ def test_widths_follow_the_query_energy():
     layer = _layer([66], outliers=False)
     energy = torch.ones(1, 8)
     energy[0, 2] = 1e4  # the queries read channel 2
-    q = quantize_layer(layer, 2, "int4", 32, "compact", energy)
+    q = quantize_layer(layer, 2, "int4", 32, energy)
     widths = q.quant.key_bits[0].tolist()
     assert widths[2] == max(widths) >= 6 and sum(widths) == 32
-    uniform = quantize_layer(layer, 2, "int4", 32, "compact", None)
+    uniform = quantize_layer(layer, 2, "int4", 32, None)
     assert uniform.quant.key_bits[0].tolist() == [4] * 8
     err = {name: (x.dequantized(torch.float32).keys[:, 2] - layer.keys[:, 2]).abs().mean()
            for name, x in (("allocated", q), ("uniform", uniform))}
@@ -199,7 +198,7 @@ def test_widths_follow_the_query_energy():
 
 
 def test_compact_problem_names_bad_widths_and_grids():
-    q = quantize_layer(_layer([40, 20]), 2, "int4", 16, "compact", torch.ones(2, 8)).quant
+    q = quantize_layer(_layer([40, 20]), 2, "int4", 16, torch.ones(2, 8)).quant
     q.key_bits = q.key_bits.clone()
     q.key_bits[0, 0] += 1
     assert "sum to 32" in compact_problem(q, 8, 8)
@@ -220,47 +219,25 @@ def test_compact_problem_names_bad_widths_and_grids():
 # --- files -----------------------------------------------------------------------------------------------------------
 
 
-def test_compact_golden_files_are_reproduced_and_load_back():
-    """Version 5 (stacked tensors) is what the writer makes, byte for byte; the version-4 file (per-layer tensors,
-    written before version 5) still reads to the same pack."""
-    for name, (make, level) in GOLDEN_V5.items():
-        data = (GOLDEN_DIR / name).read_bytes()
-        if level == 0 or tuple(zstandard.ZSTD_VERSION) == GOLDEN_ZSTD_LIBRARY:
-            assert pack_to_bytes(make(), level) == data, name
-        header = read_header(data)
-        assert (header.format_version, header.quant_layout, header.checksum) == (5, "compact", "xxh3")
-        assert sorted(header.tensors) == sorted((C.TOKEN_IDS, C.HEAD_LENGTHS) + C.STACKED_PARTS)
-        assert header.tensors[C.KEY_BITS].shape == (2, 2, 4) and header.tensors[C.KEY_PARAMS].shape == (2, 6, 4)
-        assert header.entries == 124
-        assert_packs_equal(load_pack(data), make())
-    for name, (make, level) in GOLDEN_V4.items():
-        data = (GOLDEN_DIR / name).read_bytes()
-        header = read_header(data)
-        assert (header.format_version, header.quant_layout, header.checksum) == (4, "compact", "xxh3")
-        assert header.entries == 124 and C.layer_tensor_name(1, C.KEY_PARAMS) in header.tensors
-        assert_packs_equal(load_pack(data), make())
-        pack = load_pack(data)
-        assert [l.quant.body_lengths.tolist() for l in pack.layers] == [[36, 0], [46, 33]]
-        assert pack.layers[0].quant.key_bits.tolist()[0] == [7, 4, 3, 2]
-
-
-def test_compact_pack_needs_xxh3_and_kivi_files_keep_their_versions():
-    compact = quantize_pack(golden_unquantized_for_int(), "int4", 32)
-    fix = "checksum='xxh3', or build it with kvpack.compress\\(..., quant_layout='kivi'\\)"
-    with pytest.raises(InputError, match=fix):
-        pack_to_bytes(compact, 0, "sha256")
-    kivi = quantize_pack(golden_unquantized_for_int(), "int4", 32, "kivi")
-    assert read_header(pack_to_bytes(kivi, 0, "sha256")).format_version == 2
-    assert read_header(pack_to_bytes(kivi, 0)).format_version == 3
-    assert read_header(pack_to_bytes(compact, 3)).format_version == 5
+def test_compact_golden_file_tensors():
+    """The quantized golden file holds the stacked compact tensors: widths and grids per layer, rows layer after
+    layer (the writer's bytes are checked in test_fileformat)."""
+    data = (GOLDEN_DIR / "small_int4.kvpack").read_bytes()
+    header = read_header(data)
+    assert (header.format_version, header.quant_layout, header.checksum) == ("1.0", "compact", "xxh3")
+    assert sorted(header.tensors) == sorted((C.TOKEN_IDS, C.HEAD_LENGTHS) + C.LAYER_PARTS + C.COMPACT_PARTS)
+    assert header.tensors[C.KEY_BITS].shape == (2, 2, 4) and header.tensors[C.KEY_PARAMS].shape == (2, 6, 4)
+    assert header.entries == 124
+    pack = load_pack(data)
+    assert_packs_equal(pack, golden_int4())
+    assert [l.quant.body_lengths.tolist() for l in pack.layers] == [[36, 0], [46, 33]]
+    assert pack.layers[0].quant.key_bits.tolist()[0] == [7, 4, 3, 2]
 
 
 def test_quantize_pack_checks_query_energy_shapes():
     pack = golden_unquantized_for_int()
     with pytest.raises(InputError, match="query_energy"):
-        quantize_pack(pack, "int4", 32, "compact", [torch.ones(2, 4)])
-    with pytest.raises(InputError, match="layout"):
-        quantize_pack(pack, "int4", 32, "kivi2")
+        quantize_pack(pack, "int4", 32, [torch.ones(2, 4)])
 
 
 def test_compress_records_the_query_energy_of_the_context_queries():
@@ -272,9 +249,9 @@ def test_compress_records_the_query_energy_of_the_context_queries():
     seen = {}
     original = compress_module.quantize_pack
 
-    def spy(pack, qtype, group_size, layout, energy):
+    def spy(pack, qtype, group_size, energy):
         seen["energy"], seen["ids"] = energy, pack.token_ids
-        return original(pack, qtype, group_size, layout, energy)
+        return original(pack, qtype, group_size, energy)
 
     compress_module.quantize_pack = spy
     try:
@@ -307,26 +284,11 @@ def _hooked_energy(model, token_ids) -> list[torch.Tensor]:
     return out
 
 
-def test_compact_build_generates_like_the_kivi_one(tmp_path):
-    model, tok = tiny_model("llama")
-    text = TEXT * 3
-    for layout in ("compact", "kivi"):
-        pack = kvpack.compress(model, tok, text, ratio=0.5, chunk_size=64, quant="int4", quant_layout=layout)
-        path = tmp_path / f"{layout}.kvpack"
-        kvpack.save(pack, path)
-        cache = kvpack.load(path, model)
-        assert cache.get_seq_length() == pack.original_tokens
-        assert isinstance(kvpack.generate(model, tok, cache, "What is the secret code of Alice?",
-                                          max_new_tokens=3), str)
-    with pytest.raises(InputError, match="layout"):
-        kvpack.compress(model, tok, text, ratio=0.5, quant="int4", quant_layout="kivi2")
-
-
-def test_pack_with_mixed_layouts_is_refused():
+def test_pack_with_mixed_quantization_is_refused():
     a = quantize_pack(golden_unquantized_for_int(), "int4", 32)
-    b = quantize_pack(golden_unquantized_for_int(), "int4", 32, "kivi")
+    b = quantize_pack(golden_unquantized_for_int(), "int8", 32)
     mixed = Pack(a.token_ids, [a.layers[0], b.layers[1]], a.sink_tokens, dict(a.metadata))
-    with pytest.raises(InputError, match="layout"):
+    with pytest.raises(InputError, match="quantization type"):
         pack_to_bytes(mixed)
 
 
@@ -344,7 +306,7 @@ def test_fast_key_decoding_matches_the_bit_string_reference():
                                                          [8, 8, 8, 2, 2, 2, 1, 1])])
         codes = [(torch.rand(int(n), 8, generator=gen) * 2.0 ** w).floor().long() for n, w in zip(body, widths)]
         packed = torch.cat([pack_bits(c, w) for c, w in zip(codes, widths)])
-        q = quantize_layer(_layer([40, 20]), 2, "int4", 16, "compact", torch.ones(2, 8)).quant
+        q = quantize_layer(_layer([40, 20]), 2, "int4", 16, torch.ones(2, 8)).quant
         q.body_lengths, q.key_bits, q.key_codes = body, widths.to(torch.uint8), packed
         quants.append((q, torch.cat(codes).float()))
     qs = [q for q, _ in quants]
@@ -360,7 +322,7 @@ def test_fast_key_decoding_matches_the_bit_string_reference():
 
 
 def _spec_decode(qr) -> tuple[torch.Tensor, torch.Tensor]:
-    """``format/SPEC.md`` §5.6 spelled out one head and one group at a time: ``code x scale + min`` (float32
+    """``format/SPEC.md`` §5.4 spelled out one head and one group at a time: ``code x scale + min`` (float32
     multiply, then add), codes cut from each head's bit strings (``unpack_bits``), parameters from the grids."""
     d, g = qr.key_bits.shape[1], qr.group_size
     grid = qr.quant_grid.float()
@@ -387,7 +349,7 @@ def test_all_layers_at_once_decode_like_the_spec_one_group_at_a_time():
     (partial last groups, a head without body rows, 8-bit and 2-bit channels included)."""
     from kvpack.quant import dequantize_bodies
 
-    layers = [quantize_layer(_layer(lengths, seed=seed), 2, "int4", 16, "compact",
+    layers = [quantize_layer(_layer(lengths, seed=seed), 2, "int4", 16,
                              torch.rand(len(lengths), 8, generator=torch.Generator().manual_seed(seed)) ** 4).quant
               for seed, lengths in enumerate([[40, 3, 21], [18, 70, 2], [2, 2, 35]])]
     assert len({tuple(q.key_bits.flatten().tolist()) for q in layers}) == 3  # per-layer widths differ
@@ -411,7 +373,7 @@ def test_compact_int4_builds_loads_and_generates_on_every_architecture(arch, tmp
     path = tmp_path / "ctx.kvpack"
     kvpack.save(pack, path, zstd_level=3)
     header = read_header(path)
-    assert (header.format_version, header.quant_layout) == (5, "compact")
+    assert (header.format_version, header.quant_layout) == ("1.0", "compact")
     loaded = load_pack(path)
     for a, b in zip(pack.layers, loaded.layers):
         assert torch.equal(a.dequantized(torch.float32).keys, b.dequantized(torch.float32).keys)
@@ -421,7 +383,7 @@ def test_compact_int4_builds_loads_and_generates_on_every_architecture(arch, tmp
 
 
 def test_joined_is_a_view_of_consecutive_slices_and_a_copy_otherwise():
-    """Version-5 layers are slices of one tensor per part; joining them again must not copy, and must equal
+    """Loaded layers are slices of one tensor per part; joining them again must not copy, and must equal
     ``torch.cat`` whatever the parts."""
     from kvpack.compact import _joined
 
@@ -439,12 +401,11 @@ def test_joined_is_a_view_of_consecutive_slices_and_a_copy_otherwise():
 
 
 def test_zstd_files_load_alike_from_several_threads():
-    """The reader reuses one zstd decompressor per thread (damaged frames before good ones on one thread: the
-    hostile-file tests); loads on several threads at once must all give the golden pack."""
+    """Loads of one zstd file on several threads at once must all give the golden pack."""
     from concurrent.futures import ThreadPoolExecutor
 
-    data = (GOLDEN_DIR / "small_int4_stacked_zstd.kvpack").read_bytes()
-    want = GOLDEN_V5["small_int4_stacked_zstd.kvpack"][0]()
+    data = (GOLDEN_DIR / "small_int4_zstd.kvpack").read_bytes()
+    want = golden_int4()
     with ThreadPoolExecutor(4) as pool:
         for pack in pool.map(lambda _: load_pack(data), range(16)):
             assert_packs_equal(pack, want)

@@ -7,8 +7,8 @@ alike; the ratios are what to quote.
     python tools/bench_main_job.py --tokens 4096 --ratio 0.3 --repeats 5
     python tools/bench_main_job.py --tokens 4096 --ratio 0.3 --repeats 9 --quant int4 --group-size 64 --zstd-level 19
 
-With ``--quant`` the pack is quantized in the compact layout (format v5) and the second file loaded is the same
-selection in the KIVI layout (v3), so the two layouts' load times are compared side by side.
+The second file loaded is the same pack with the other tensor checksum (XXH3-128 or SHA-256), so the two
+checksums' load times are compared side by side.
 """
 
 from __future__ import annotations
@@ -69,10 +69,8 @@ def main() -> None:
         return kvpack_prefill(model, ids[0].tolist(), sink, layout, spec, args.chunk_size,
                               recorder=method.recorder(spec, ids.shape[1], model.device))
 
-    # the second file loaded: the same pack with the other checksum; for a quantized (compact-layout) pack, which
-    # needs XXH3-128, the same selection quantized in the KIVI layout (format v3) instead
-    quantized = args.quant != C.QUANT_NONE
-    other = "KIVI-layout" if quantized else next(c for c in C.CHECKSUMS if c != args.checksum)
+    # the second file loaded: the same pack with the other tensor checksum
+    other = next(c for c in C.CHECKSUMS if c != args.checksum)
     rows = {k: [] for k in ("prefill", "attention", "build", "chunked prefill", "scoring", "save", "load",
                             "load other")}
     with tempfile.TemporaryDirectory() as tmp:
@@ -90,13 +88,7 @@ def main() -> None:
             rows["scoring"].append(timed(lambda: method.score(model, tok, filled))[0])
             rows["save"].append(timed(lambda: kvpack.save(pack, path, zstd_level=args.zstd_level,
                                                           checksum=args.checksum))[0])
-            if quantized:
-                kivi = kvpack.compress(model, tok, text, method=args.method, ratio=args.ratio,
-                                       chunk_size=args.chunk_size, quant=args.quant, group_size=args.group_size,
-                                       quant_layout=C.QUANT_LAYOUT_KIVI)
-                kvpack.save(kivi, other_path, zstd_level=args.zstd_level, checksum=args.checksum)
-            else:
-                kvpack.save(pack, other_path, zstd_level=args.zstd_level, checksum=other)
+            kvpack.save(pack, other_path, zstd_level=args.zstd_level, checksum=other)
             loads = [("load", path), ("load other", other_path)]
             for row, p in loads if rep % 2 == 0 else loads[::-1]:  # alternate: the first load after a build is slower
                 rows[row].append(timed(lambda: kvpack.load(p, model))[0])
@@ -111,13 +103,12 @@ def main() -> None:
     print("|---|---|---|")
     labels = {"attention": "  of which attention (SDPA alone, every layer)", "chunked prefill": "  build: chunked prefill",
               "scoring": "  build: scoring (method.score)",
-              "load other": (f"load, the same selection in the {other} file" if quantized
-                             else f"load, the same pack with {other} checksums")}
+              "load other": f"load, the same pack with {other} checksums"}
     for k in rows:
         print(f"| {labels.get(k, k)} | {med[k]:.4f} | {med[k] / med['prefill']:.3f}x |")
     print(f"\nKVzip build / prefill: {med['build'] / med['prefill']:.2f}x (target <= 2.1x)")
     print(f"re-prefill / load: {med['prefill'] / med['load']:.1f}x faster to load (target >= 100x); "
-          f"{'the ' + other + ' file' if quantized else 'with ' + other + ' checksums'} "
+          f"with {other} checksums "
           f"{med['prefill'] / med['load other']:.1f}x")
     print(f"file: {size} bytes ({size / ids.shape[1]:.1f} bytes per context token)")
 

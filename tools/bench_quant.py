@@ -3,7 +3,7 @@
 
 For each of ``--trials`` needle trials (``kvpack.evaluation.needle_trials``: one fact planted at a depth in a
 held-out passage of ``--tokens`` tokens), the context is compressed with ``kvpack.compress`` (KVzip, keep
-``--ratio``) without quantization and with ``--quant`` in ``--layout`` (the same selection: compression is
+``--ratio``) without quantization and with ``--quant`` in the compact layout (the same selection: compression is
 deterministic); each is stored as two files, zstd level 0 and ``--zstd-level``. Every byte of every file is counted
 (header with metadata and checksums, token ids, positions, group parameters, code widths). Each variant is loaded
 back from its bytes and asked the fact's question (greedy, ``kvpack.generate``).
@@ -14,12 +14,12 @@ Two references for "the fp16 full cache":
   * ``fp16 file``: a keep-everything (ratio 1.0) pack in float16 saved without zstd (adds positions, token ids
     and the header), for comparison.
 
-The packs' full-precision rows (the attention sink, and the KIVI layout's residual rows) are cast to
+The packs' full-precision rows (the attention sink, and heads too short to quantize) are cast to
 ``--kv-dtype`` (default float16), so all sizes are fp16-based whatever dtype the model runs in; the retrieval runs
 use the same packs.
 
-With ``--ablation`` three more variants are asked the question (retrieval only, not stored; all in the KIVI
-layout, ``kvpack.quant.quantize_pack(..., layout="kivi")``): keys quantized and values kept, values quantized and
+With ``--ablation`` three more variants are asked the question (retrieval only, not stored; all in the compact
+layout with uniform key widths, ``kvpack.quant.quantize_pack`` without query statistics): keys quantized and values kept, values quantized and
 keys kept (both with ``--quant``), and keys int8 with values ``--quant``.
 They show which half of the cache the accuracy loss comes from. With ``--key-layouts`` three other ways of
 quantizing the keys are asked too, each with the values as ``--quant``: keys per token (groups along head_dim,
@@ -27,7 +27,7 @@ like the values), keys per channel in groups of half ``--group-size`` tokens, an
 quantized per channel and rotated back (KVQuant, arXiv 2401.18079 §3.2; Llama-style rotary models only).
 
     python tools/bench_quant.py --tokens 4096 --trials 300 --group-size 64 --zstd-level 19   # BENCHMARKS.md
-    python tools/bench_quant.py --tokens 4096 --trials 300 --layout kivi --ablation --key-layouts
+    python tools/bench_quant.py --tokens 4096 --trials 300 --ablation --key-layouts
     python tools/bench_quant.py --tokens 1024 --trials 4             # a quick check
 """
 
@@ -95,13 +95,13 @@ def key_layout_keys(model, base: Pack, qtype: str, group_size: int) -> dict[str,
     dtype = base.layers[0].keys.dtype
     as_values = Pack(base.token_ids, [LayerEntries(l.keys, l.keys, l.positions, l.head_lengths) for l in base.layers],
                      base.sink_tokens, dict(base.metadata))  # per token: quantize the keys the way values are
-    per_token = [dequantize_layer(l, dtype).values for l in quantize_pack(as_values, qtype, group_size, C.QUANT_LAYOUT_KIVI).layers]
-    half = [dequantize_layer(l, dtype).keys for l in quantize_pack(base, qtype, max(1, group_size // 2), C.QUANT_LAYOUT_KIVI).layers]
+    per_token = [dequantize_layer(l, dtype).values for l in quantize_pack(as_values, qtype, group_size).layers]
+    half = [dequantize_layer(l, dtype).keys for l in quantize_pack(base, qtype, max(1, group_size // 2)).layers]
     out = {"keys per token": per_token, f"keys in groups of {max(1, group_size // 2)}": half}
     if hasattr(getattr(model, "model", None), "rotary_emb"):
         pre = with_keys(base, [rotate_keys(model, l.keys, l.positions, True).to(torch.float32) for l in base.layers])
         out["keys pre-RoPE"] = [rotate_keys(model, dequantize_layer(q, torch.float32).keys, l.positions, False).to(dtype)
-                                for q, l in zip(quantize_pack(pre, qtype, group_size, C.QUANT_LAYOUT_KIVI).layers, base.layers)]
+                                for q, l in zip(quantize_pack(pre, qtype, group_size).layers, base.layers)]
     return out
 
 
@@ -139,8 +139,6 @@ def main() -> None:
                     help="also ask: --quant keys only, --quant values only, int8 keys + --quant values")
     ap.add_argument("--key-layouts", action="store_true",
                     help="also ask: keys per token, keys in half-size groups, pre-RoPE keys (values: --quant)")
-    ap.add_argument("--layout", default=C.DEFAULT_QUANT_LAYOUT, choices=C.QUANT_LAYOUTS,
-                    help="quantized layout of the stored --quant packs (compact: format v5; kivi: v2/v3)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args()
 
@@ -149,8 +147,8 @@ def main() -> None:
     kv_dtype = _DTYPES[args.kv_dtype]
     variants = [(q, z) for q in (C.QUANT_NONE, args.quant) for z in (0, args.zstd_level)]
     sizes = {v: [] for v in variants}
-    q = f"KIVI {args.quant}"
-    ablations = [f"{q} keys only", f"{q} values only", f"KIVI int8 keys + {args.quant} values"] if args.ablation else []
+    q = f"uniform {args.quant}"
+    ablations = [f"{q} keys only", f"{q} values only", f"uniform int8 keys + {args.quant} values"] if args.ablation else []
     if args.key_layouts:
         ablations += [f"{q} keys per token", f"{q} keys in groups of {max(1, args.group_size // 2)}"]
         if hasattr(getattr(model, "model", None), "rotary_emb"):
@@ -164,8 +162,7 @@ def main() -> None:
                                chunk_size=args.chunk_size)
         base = cast_pack(base, kv_dtype)
         quantized = kvpack.compress(model, tok, trial.context, method=args.method, ratio=args.ratio,
-                                    chunk_size=args.chunk_size, quant=args.quant, group_size=args.group_size,
-                                    quant_layout=args.layout)
+                                    chunk_size=args.chunk_size, quant=args.quant, group_size=args.group_size)
         packs = {C.QUANT_NONE: base, args.quant: cast_rows(quantized, kv_dtype)}
         errors.append(packs[args.quant].metadata["stats"]["quant_error"])
         full_kv.append(fp16_kv_bytes(model, base.original_tokens))
@@ -181,10 +178,10 @@ def main() -> None:
             answers[q].append(answer)
             correct[q].append(tasks.answer_matches(answer, trial.fact))
         if ablations:
-            quantized = quantize_pack(base, args.quant, args.group_size, C.QUANT_LAYOUT_KIVI)
+            quantized = quantize_pack(base, args.quant, args.group_size)
             variants = []
             if args.ablation:
-                int8 = quantize_pack(base, "int8", args.group_size, C.QUANT_LAYOUT_KIVI)
+                int8 = quantize_pack(base, "int8", args.group_size)
                 variants += [mixed_pack(base, quantized, None), mixed_pack(base, None, quantized),
                              mixed_pack(base, int8, quantized)]
             if args.key_layouts:

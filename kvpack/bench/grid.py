@@ -118,8 +118,7 @@ class BuiltPack:
 
 def build_variants(model, tokenizer, text: str, method: str, ratios: list[float], quants: list[str], *,
                    chunk_size: int = 2048, group_size: int = C.DEFAULT_GROUP_SIZE, query_aware: bool = False,
-                   source_name: str = "<bench>", quant_layout: str = C.DEFAULT_QUANT_LAYOUT,
-                   **options) -> list[BuiltPack]:
+                   source_name: str = "<bench>", **options) -> list[BuiltPack]:
     """Build ``method`` at every ratio x quant for ``text`` from one prefill and one scoring pass.
 
     Args:
@@ -129,7 +128,7 @@ def build_variants(model, tokenizer, text: str, method: str, ratios: list[float]
         ratios: fractions kept, each in (0, 1].
         quants: quantization types (``"none"``, ``"int8"``, ``"int4"``).
         chunk_size: prefill/scoring chunk in tokens (as ``kvpack.compress``).
-        group_size, quant_layout: quantization group and layout (as ``kvpack.compress``).
+        group_size: quantization group (as ``kvpack.compress``).
         query_aware: marks the variants as query-aware (the caller passes ``question=`` in ``options``).
         **options: the method's parameters.
 
@@ -149,8 +148,7 @@ def build_variants(model, tokenizer, text: str, method: str, ratios: list[float]
     if any(r < 1.0 for r in kept) and any(r >= 1.0 for r in kept):
         # kvpack.compress records no attention statistics at ratio 1.0, and a recorded prefill may differ from a
         # plain one in the last float bits (H2O, D2O): build the keep-everything ratios from their own prefill
-        kw = dict(chunk_size=chunk_size, group_size=group_size, query_aware=query_aware, source_name=source_name,
-                  quant_layout=quant_layout)
+        kw = dict(chunk_size=chunk_size, group_size=group_size, query_aware=query_aware, source_name=source_name)
         whole = build_variants(model, tokenizer, text, method, [1.0], quants, **kw, **options)
         part = build_variants(model, tokenizer, text, method, [r for r in kept if r < 1.0], quants, **kw, **options)
         out, j = [], 0
@@ -168,7 +166,7 @@ def build_variants(model, tokenizer, text: str, method: str, ratios: list[float]
     token_ids = prefix_ids + layout.encode_text(tokenizer, text)
     compressing = any(r < 1.0 for r in kept)
     device = next(model.parameters()).device
-    quantizing = any(q != C.QUANT_NONE for q in quants) and quant_layout == C.QUANT_LAYOUT_COMPACT
+    quantizing = any(q != C.QUANT_NONE for q in quants)
     recorder, observed = prefill_recorder(scorer, spec, len(token_ids), device, tokenizer, layout, compressing,
                                           quantizing)
     full = prefill(model, token_ids, len(prefix_ids), layout, spec, chunk_size, None, recorder, observed)
@@ -188,7 +186,7 @@ def build_variants(model, tokenizer, text: str, method: str, ratios: list[float]
         own = time.perf_counter() - t1
         for q in quants:
             t2 = time.perf_counter()
-            qp = quantize_pack(pack, q, group_size, quant_layout, energy)
+            qp = quantize_pack(pack, q, group_size, energy)
             out.append(BuiltPack(Variant(method, float(ratio) if method != "none" else 1.0, q, query_aware), qp,
                                  shared + own + time.perf_counter() - t2))
     return out
