@@ -217,6 +217,9 @@ KEYS = "keys"
 VALUES = "values"
 POSITIONS = "positions"
 LAYER_PARTS = (KEYS, VALUES, POSITIONS)
+#: Temporary (until format 1.0): optional ``F32`` ``[entries of all layers]`` per-entry attention-logit biases,
+#: layer 0's rows first, each layer in the row order of its positions; absent means all zero.
+BIASES = "biases"
 
 
 def layer_tensor_name(layer: int, part: str) -> str:

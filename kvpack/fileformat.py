@@ -173,7 +173,8 @@ class PackHeader:
         out = dict.fromkeys(C.SECTIONS + parts[self.quant_layout], 0)
         out[C.SECTION_HEADER] = self.header_bytes
         for name, info in self.tensors.items():
-            out[name.rsplit(".", 1)[-1]] += info.nbytes
+            part = name.rsplit(".", 1)[-1]
+            out[part] = out.get(part, 0) + info.nbytes  # ``biases`` (temporary, until format 1.0): when present
         return out
 
 
@@ -243,6 +244,10 @@ def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
             if layer.quant is not None:
                 for part, tensor in layer.quant.parts().items():
                     tensors[C.layer_tensor_name(l, part)] = tensor
+
+    if any(layer.biases is not None for layer in pack.layers):
+        tensors[C.BIASES] = torch.cat([layer.biases.float() if layer.biases is not None else
+                                       torch.zeros(layer.num_entries) for layer in pack.layers])
 
     stored, codecs = {}, {}
     for name, tensor in tensors.items():
@@ -552,6 +557,15 @@ def _load(source: Source) -> tuple[PackHeader, Pack]:
         problem = compact_values_problem(widths, grids, header.quant_type, header_dims[0])
         if problem is not None:
             raise CorruptFileError(f"{src.name}: {problem}; {_REBUILD}")
+    if C.BIASES in t:
+        total = sum(layer.num_entries for layer in layers)
+        if t[C.BIASES].shape[0] != total or not bool(torch.isfinite(t[C.BIASES]).all()):
+            raise CorruptFileError(f"{src.name}: tensor {C.BIASES!r} must hold {total} finite values (one per entry), "
+                                   f"it has {t[C.BIASES].shape[0]}; {_REBUILD}")
+        start = 0
+        for layer in layers:
+            layer.biases = t[C.BIASES][start : start + layer.num_entries]
+            start += layer.num_entries
     pack = Pack(token_ids=t[C.TOKEN_IDS].to(torch.int64), layers=layers, sink_tokens=sink, metadata=meta)
     if split is None:  # something is wrong: the full check names it
         problem = _pack_problem(pack)
@@ -1078,6 +1092,11 @@ def _index_problem(tensors: dict[str, TensorInfo], quant_type: str = C.QUANT_NON
             return f"tensor {tname!r} must be {want}, not {info.dtype} {list(info.shape)}"
         return None
 
+    if C.BIASES in tensors:  # temporary (until format 1.0): optional per-entry biases, any version
+        problem = bad(C.BIASES, ("F32",), 1)
+        if problem:
+            return problem
+        tensors = {name: info for name, info in tensors.items() if name != C.BIASES}
     ints = (C.INDEX_INT_CODE,)
     problem = bad(C.TOKEN_IDS, ints, 1) or bad(C.HEAD_LENGTHS, ints, 2)
     if problem:
@@ -1273,6 +1292,10 @@ def _pack_problem(pack: Any) -> str | None:
             head_start[starts] = True
             if bool(((p[1:] <= p[:-1]) & ~head_start[1:]).any()):
                 return f"layer {l}: positions must be strictly increasing within each head"
+        b = layer.biases
+        if b is not None and (not isinstance(b, torch.Tensor) or b.dtype != torch.float32 or b.shape != (n,)
+                              or not bool(torch.isfinite(b).all())):
+            return f"layer {l}: biases must be a finite float32 tensor of shape [{n}] (one per entry) or None"
         if q is not None:
             problem = layer_quant_problem(layer, pack.sink_tokens)
             if problem is not None:
