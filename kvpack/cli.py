@@ -73,7 +73,8 @@ def cli():
 #: CLI option -> method parameter; each method takes the parameters its class declares (``kvpack.methods``).
 _METHOD_FLAGS = {"sink": "--sink", "recent_ratio": "--recent-ratio", "merge": "--merge/--no-merge",
                  "beta": "--beta", "budget": "--budget", "window": "--window", "question": "--question",
-                 "seed": "--seed"}
+                 "seed": "--seed", "selection": "--select", "values": "--values", "queries": "--queries",
+                 "on_policy": "--on-policy"}
 
 
 def _method_options(f):
@@ -95,6 +96,14 @@ def _method_options(f):
                      help="d2o: recent window's share of a head's non-sink budget, M/(N+M) [default: 0.25, N:M=3:1]."),
         click.option("--sink", type=click.IntRange(min=0), default=None,
                      help="d2o, streaming: attention-sink tokens kept at the start of the context [default: 4]."),
+        click.option("--select", "selection", type=click.Choice(["kvzip", "rms"]), default=None,
+                     help="am: keys kept within a head, by KVzip's score or RMS attention [default: kvzip]."),
+        click.option("--values", type=click.Choice(["fit", "copy", "merge"]), default=None,
+                     help="am: kept values fitted by least squares, copied, or D2O-merged [default: fit]."),
+        click.option("--queries", type=click.IntRange(min=16), default=None,
+                     help="am: reference queries per KV head [default: 4096]."),
+        click.option("--on-policy", "on_policy", is_flag=True, default=None,
+                     help="am: recompute each layer's queries with the earlier layers compacted."),
     ]
     for opt in opts:
         f = opt(f)
@@ -238,12 +247,29 @@ def info(file):
             else "?") for e in errors]
         click.echo(_table(("layer", "key max", "key mean", "value max", "value mean", "quantized"), err_rows,
                           right=(0, 1, 2, 3, 4, 5), indent="  "))
+    _echo_fit(stats.get("fit"), [l for l, k in enumerate(kinds) if k == "compressed"])
 
     click.echo("\nbytes by section")
     sections = header.bytes_by_section()
     sec_rows = [(name, f"{n:,}", f"{100 * n / max(1, header.file_bytes):.1f}%") for name, n in sections.items()]
     sec_rows.append(("total", f"{header.file_bytes:,}", "100.0%"))
     click.echo(_table(("section", "bytes", "share"), sec_rows, right=(1, 2), indent="  "))
+
+
+def _echo_fit(fit, compressed: list[int]) -> None:
+    """Attention Matching's fit per compressed layer (``kvpack.methods.am``), when the pack records one."""
+    if not isinstance(fit, dict) or not isinstance(fit.get("relative_error"), list):
+        return
+    click.echo(f"\nattention matching fit (relative error of the head outputs on {fit.get('held_out', '?')} held-out "
+               f"queries per KV head; {fit.get('queries', '?')} fit queries; heads left as selected: "
+               f"{fit.get('heads_unfitted', '?')} unfitted, {fit.get('heads_rejected', '?')} rejected)")
+    cols = [fit.get(k) if isinstance(fit.get(k), list) else [] for k in ("relative_error", "selection_error",
+                                                                          "mass_error")]
+    rows = [(str(compressed[i]) if i < len(compressed) else "?",
+             *(_num(c[i]) if i < len(c) and c[i] is not None else "-" for c in cols)) for i in range(len(cols[0]))]
+    click.echo(_table(("layer", "fit error", "selection alone", "mass error"), rows, right=(0, 1, 2, 3),
+                      indent="  "))
+
 
 
 def _num(x) -> str:

@@ -25,6 +25,10 @@ VALUE_MODES = ("fit", "copy", "merge")
 HELD_OUT = 256
 #: Seed of the deterministic query subsampling.
 QUERY_SEED = 0
+#: A head is fitted only when its fit queries outnumber its kept entries this many times (least squares needs
+#: an overdetermined system: with about as many unknowns as equations the fit interpolates noise, and it costs
+#: O(n t^2)); a head keeping more is left as KVzip selected it (beta = 0, values copied).
+OVERDETERMINED = 2
 
 
 class QueryReservoir:
@@ -91,9 +95,15 @@ class AttentionMatching(KVzip):
     ``on_policy``: layer ``l``'s reference queries are recomputed by a repeat pass in which the compressed layers
     before ``l`` are already compacted (§3.3, on-policy queries); one extra repeat pass per compressed layer.
 
+    Two guards of kvpack's own (not in the paper, which fits with up to 50,000 queries per head): a head keeping
+    more than ``1 / OVERDETERMINED`` of its fit queries' count is not fitted (least squares would interpolate
+    noise), and with ``held_out_check`` a head whose fit is worse on the held-out queries than KVzip's selection
+    alone keeps the selection (beta = 0, values copied). Either way the head is exactly KVzip's.
+
     The pack's metadata gets ``stats["fit"]``: per compressed layer the mean relative error of the head outputs on
-    the held-out queries (``relative_error``), the same for KVzip's selection alone at the same budget (beta = 0,
-    values copied: ``selection_error``), and the mean relative mass error on the fit queries.
+    the held-out queries (``relative_error``, the kept heads counted as kept), the same for KVzip's selection alone
+    at the same budget (beta = 0, values copied: ``selection_error``; fitted heads only, as ``relative_error``),
+    the mean relative mass error on the fit queries of the fitted heads, and the heads left unfitted or rejected.
 
     Parameters:
         chunk_size, tail_tokens: KVzip's (its repeat pass).
@@ -101,6 +111,7 @@ class AttentionMatching(KVzip):
         values: ``"fit"``, ``"copy"`` or ``"merge"``.
         queries: reference queries per KV head (fit + held out), ``>= 16``.
         on_policy: recompute each layer's queries with the earlier layers compacted.
+        held_out_check: keep KVzip's selection for a head whose fit does worse on held-out queries (default true).
     """
 
     name: ClassVar[str] = "am"
@@ -109,6 +120,7 @@ class AttentionMatching(KVzip):
     values: str = "fit"
     queries: int = 4096
     on_policy: bool = False
+    held_out_check: bool = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -116,6 +128,7 @@ class AttentionMatching(KVzip):
         check_choice(self.name, "values", self.values, VALUE_MODES)
         check_int(self.name, "queries", self.queries, 16)
         check_bool(self.name, "on_policy", self.on_policy)
+        check_bool(self.name, "held_out_check", self.held_out_check)
         self._reservoirs: list[QueryReservoir] | None = None
 
     def _prepare_repeat_pass(self, cache, start: int) -> None:
@@ -132,12 +145,15 @@ class AttentionMatching(KVzip):
         self._model, self._tokenizer = model, tokenizer
         return super().score(model, tokenizer, prefill, progress)
 
-    def _reference(self, i: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """Fit and held-out queries of compressed layer ``i`` and the layer's attention scaling."""
+    def _reference(self, i: int, reservoirs: list[QueryReservoir] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Fit and held-out queries of compressed layer ``i`` and the layer's attention scaling (from
+        ``reservoirs``, default: the repeat pass's)."""
         if self._reservoirs is None:
             raise RuntimeError("am: score() must run before select() and update_entries()")
-        fit, held = self._reservoirs[i].split()
-        return fit, held, float(self._reservoirs[i].scaling)
+        reservoir = (reservoirs or self._reservoirs)[i]
+        fit, held = reservoir.split()
+        return fit, held, float(reservoir.scaling)
 
     def select(self, scores: torch.Tensor, ratio: float, prefill: Prefill | None = None) -> torch.Tensor:
         keep = super().select(scores, ratio, prefill)
@@ -161,11 +177,12 @@ class AttentionMatching(KVzip):
     @torch.inference_mode()
     def update_entries(self, prefill: Prefill, keep: torch.Tensor, layers: list[LayerEntries]) -> dict:
         spec, sink = prefill.spec, prefill.sink
-        errors, baseline, mass, n_fit, n_held = [], [], [], 0, 0
+        errors, baseline, mass, n_fit, n_held, unfitted, rejected = [], [], [], 0, 0, 0, 0
+        reservoirs = list(self._reservoirs or [])
         for i, l in enumerate(spec.compressed_layers):
             if self.on_policy and i > 0:
-                self._recompute_queries(prefill, layers, i)
-            fit_q, held_q, scaling = self._reference(i)
+                reservoirs[i] = self._recompute_queries(prefill, layers, i)
+            fit_q, held_q, scaling = self._reference(i, reservoirs)
             n_fit, n_held = fit_q.shape[1], held_q.shape[1]
             entries = layers[l]
             offsets = entries.head_offsets().tolist()
@@ -175,35 +192,42 @@ class AttentionMatching(KVzip):
             err, base, ms = [], [], []
             for h in range(keys.shape[0]):
                 kept = keep[i, h].nonzero().squeeze(1).to(keys.device)
+                if len(kept) == 0 or len(kept) * OVERDETERMINED > n_fit:
+                    unfitted += 1
+                    continue  # as KVzip selected it: beta = 0, values copied
                 k_ctx, v_ctx = keys[h, sink:], values[h, sink:]
                 fit = fit_head(k_ctx, v_ctx, fit_q[h], kept, scaling, fit_values=self.values == "fit")
                 new_values = fit.values
-                if self.values == "merge" and 0 < len(kept) < k_ctx.shape[0]:
+                if self.values == "merge" and len(kept) < k_ctx.shape[0]:
                     evicted = (~keep[i, h]).nonzero().squeeze(1).to(keys.device)
                     merged, target, w = merge_plan(k_ctx[kept].cpu(), k_ctx[evicted].cpu(), D2O.beta)
                     new_values = merge_rows(v_ctx[kept].cpu(), v_ctx[evicted].cpu()[merged], target, w)
+                if n_held:
+                    e_fit, e_sel = _held_out_errors(keys[h], values[h], held_q[h], sink, kept, fit.beta,
+                                                    new_values.to(keys.device), scaling)
+                    base.append(e_sel)
+                    if self.held_out_check and e_fit > e_sel:
+                        rejected += 1
+                        err.append(e_sel)
+                        continue  # the fit is worse than the selection alone on held-out queries
+                    err.append(e_fit)
                 rows = slice(offsets[h] + sink, offsets[h] + sink + len(kept))
                 entries.values[rows] = new_values.to(entries.values.dtype).cpu()
                 biases[rows] = fit.beta.cpu()
                 ms.append(fit.mass_error)
-                if n_held:
-                    e_fit, e_sel = _held_out_errors(keys[h], values[h], held_q[h], sink, kept, fit.beta,
-                                                    new_values.to(keys.device), scaling)
-                    err.append(e_fit)
-                    base.append(e_sel)
             entries.biases = biases
             errors.append(_mean(err))
             baseline.append(_mean(base))
             mass.append(_mean(ms))
         return {"queries": n_fit, "held_out": n_held, "relative_error": errors, "selection_error": baseline,
-                "mass_error": mass}
+                "mass_error": mass, "heads_unfitted": unfitted, "heads_rejected": rejected}
 
-    def _recompute_queries(self, prefill: Prefill, layers: list[LayerEntries], i: int) -> None:
+    def _recompute_queries(self, prefill: Prefill, layers: list[LayerEntries], i: int) -> QueryReservoir:
         """On-policy queries of compressed layer ``i``: KVzip's repeat passes again, the compressed layers before
         it holding their compacted entries (biases included) for the chunk's positions."""
         from .am_policy import on_policy_queries
 
-        self._reservoirs[i] = on_policy_queries(self, self._model, self._tokenizer, prefill, layers, i,
+        return on_policy_queries(self, self._model, self._tokenizer, prefill, layers, i,
                                                 QueryReservoir(prefill.spec.num_kv_heads, self.queries))
 
 
