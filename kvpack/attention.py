@@ -6,6 +6,9 @@ function builds each KV head's visibility from the entries' original RoPE positi
     visible[h, i, j] = pos[h, j] >= 0  and  pos[h, j] <= qpos[i]  (and qpos[i] - pos[h, j] < window when sliding)
 
 (``pos = -1`` marks padding of shorter heads), so every head attends only to its kept entries plus the new tokens.
+A layer with per-entry biases (Attention Matching's beta, arXiv 2602.16284 §3: ``PackedLayer.biases``) adds them to
+the logits, ``softmax(q . k * scaling + beta)``, new tokens at 0: ``logit_mask`` turns visibility and biases into
+the one additive mask SDPA takes (and the explicit scored path adds them to its logits).
 For any other keys it is exactly transformers' SDPA attention, so a model switched to ``"kvpack"`` behaves as
 before with ordinary caches.
 

@@ -5,7 +5,8 @@ entries' original RoPE positions ``[kv_heads, max_kept]`` (``-1`` marks padding)
 them (the "tail") at logical positions ``original_length, original_length + 1, ...``: ``get_seq_length()``
 reports the original context length plus the tail, so transformers gives new tokens the RoPE positions they
 would have had after the full context. The ``"kvpack"`` attention function (``kvpack.attention``) masks each
-head to its own kept entries plus the tail.
+head to its own kept entries plus the tail, adding each kept entry's logit bias when the pack has biases
+(``LayerEntries.biases``, Attention Matching); the tail's bias is 0.
 
 Reuse across questions: ``rewind()`` drops the tail and restores the cache exactly as loaded.
 ``kvpack.generate`` calls it before and after every answer, so asking question 2 after question 1 gives exactly
