@@ -3,7 +3,9 @@
 Math. For query head j (KV head h = j // g) and the visible rows k_1..k_N, v_1..v_N of head h
 (full-precision rows, then int4 rows dequantized on the fly, then the dense tail):
 
-    out_j = sum_n softmax_n(scale * q_j . k_n) v_n,       k_hat = code * scale + min   (int4 rows)
+    out_j = sum_n softmax_n(scale * q_j . k_n + b_n) v_n,       k_hat = code * scale + min   (int4 rows)
+
+(b_n: the row's optional additive logit bias, Attention Matching's beta, arXiv 2602.16284 §3; 0 for the tail)
 
 computed as a streaming ("online") softmax over blocks of BLOCK_N rows with fp32 state (m, l, acc):
 
@@ -32,6 +34,7 @@ import triton.language as tl
 from .reference import value_group_size
 
 LOG2E = 1.4426950408889634
+LOG2E_C = tl.constexpr(LOG2E)
 
 
 @triton.jit
@@ -61,6 +64,7 @@ def _varlen_decode_kernel(
     FK, stride_fk, FV, stride_fv, FP_OFF,          # (Nfp, D), (Nfp, Dv), (Hkv+1,)
     KC, KS, KM, VC, VS, VM, Q_OFF,                 # (Q, D/2), (Q/G, D) x2, (Q, Dv/2), (Q, Dv/Gv) x2, (Hkv+1,)
     TK, stride_tkh, stride_tkt, TV, stride_tvh, stride_tvt, T,   # (Hkv, T, D), (Hkv, T, Dv)
+    FB, QB,                                        # (Nfp,), (Q,) fp32 logit biases when BIAS
     O, stride_o,                                   # (H, Dv) output, written when not SPLIT
     PM, PL, PACC,                                  # (H, S), (H, S), (H, S, Dv) fp32 partials when SPLIT
     qk_scale, group, num_splits,
@@ -69,6 +73,7 @@ def _varlen_decode_kernel(
     BLOCK_N: tl.constexpr, BLOCK_NQ: tl.constexpr, GROUP_Q: tl.constexpr, GROUP_V: tl.constexpr,
     NGV_P2: tl.constexpr,
     QUANT: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    BIAS: tl.constexpr,
 ):
     h = tl.program_id(0)       # KV head
     s = tl.program_id(1)       # split: takes this head's blocks s, s + S, s + 2S, ... of [fp | int4 | tail]
@@ -99,6 +104,8 @@ def _varlen_decode_kernel(
         k = tl.load(FK + rows[:, None] * stride_fk + offs_d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)         # (BN, BLOCK_D)
         qk = _dot(q, tl.trans(k), DOT_PREC, UPCAST) * qk_scale
+        if BIAS:  # base 2: the bias is scaled by log2(e) like the logits
+            qk += (tl.load(FB + rows, mask=n_mask, other=0.0) * LOG2E_C)[None, :]
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         v = tl.load(FV + rows[:, None] * stride_fv + offs_v[None, :],
                     mask=n_mask[:, None] & v_mask[None, :], other=0.0)         # (BN, BLOCK_DV)
@@ -128,6 +135,8 @@ def _varlen_decode_kernel(
             # q . (code * s + m) = (q * s) . code + q . m
             qk = _dot((qf * ks[None, :]).to(dt), tl.trans(codes), DOT_PREC, UPCAST)
             qk = (qk + tl.sum(qf * km[None, :], 1)[:, None]) * qk_scale
+            if BIAS:
+                qk += (tl.load(QB + rows) * LOG2E_C)[None, :]
             vc = tl.load(VC + rows[:, None] * (DV // 2) + offs_cv[None, :], mask=cv_mask[None, :], other=0)
             sp = rows[:, None] * (DV // GROUP_V) + offs_sg[None, :]
             vs = tl.load(VS + sp, mask=sg_mask[None, :], other=0.0).to(tl.float32)   # (BN, NGV_P2)
@@ -211,9 +220,12 @@ def _check_offsets(name, off, hkv, n, multiple=1):
 def varlen_decode_triton(q, fp_keys, fp_values, fp_offsets, tail_keys, tail_values, scale,
                          key_codes=None, key_scales=None, key_mins=None,
                          value_codes=None, value_scales=None, value_mins=None,
-                         q_offsets=None, group_size=None, *,
+                         q_offsets=None, group_size=None, fp_biases=None, q_biases=None, *,
                          num_splits=None, block_n=64, num_warps=None, num_stages=3, validate=True):
     """One decode step; arguments as in kernels.reference.varlen_decode_reference. -> [H, Dv] in q.dtype.
+
+    fp_biases ([Nfp] float32) and q_biases ([Q] float32, int4 rows) are optional per-row logit biases; with
+    either given, the other defaults to zeros.
 
     The int4 segment is present when key_codes is given (then every key_/value_ tensor, q_offsets and
     group_size are required). num_splits=None picks about two waves of programs on a GPU (1 on CPU);
@@ -266,6 +278,17 @@ def varlen_decode_triton(q, fp_keys, fp_values, fp_offsets, tail_keys, tail_valu
         if quant:
             _check_offsets("q_offsets", q_offsets, hkv, nq, G)
 
+    has_bias = fp_biases is not None or q_biases is not None
+    if has_bias:
+        fb = fp_biases if fp_biases is not None else torch.zeros(nfp, device=q.device)
+        qb = q_biases if q_biases is not None else torch.zeros(nq if quant else 0, device=q.device)
+        for name, t, n in (("fp_biases", fb, nfp), ("q_biases", qb, nq if quant else 0)):
+            if tuple(t.shape) != (n,) or t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError(f"{name}: expected contiguous ({n},) float32, got {tuple(t.shape)} {t.dtype}")
+        if not quant:
+            qb = fb  # unused pointer
+    else:
+        fb = qb = fp_keys  # unused pointers
     rows_per_head = (fp_keys.shape[0] + (nq if quant else 0)) / hkv + T
     S = num_splits or _default_splits(q, hkv, rows_per_head, block_n)
     out = torch.empty(H, dv, dtype=dt, device=q.device)
@@ -291,13 +314,14 @@ def varlen_decode_triton(q, fp_keys, fp_values, fp_offsets, tail_keys, tail_valu
         *qargs,
         tail_keys, tail_keys.stride(0), tail_keys.stride(1),
         tail_values, tail_values.stride(0), tail_values.stride(1), T,
+        fb, qb,
         out, out.stride(0),
         pm, pl, pacc,
         float(scale) * LOG2E, g, S,
         D=D, DV=dv,
         BLOCK_G=max(16, np2(g)), BLOCK_D=max(32, np2(D)), BLOCK_DV=max(32, block_dv),
         BLOCK_N=block_n, BLOCK_NQ=min(block_n, G), GROUP_Q=G, GROUP_V=gv, NGV_P2=ngv_p2,
-        QUANT=quant, SPLIT=split, DOT_PREC="ieee" if dt == torch.float32 else "tf32",
+        QUANT=quant, SPLIT=split, BIAS=has_bias, DOT_PREC="ieee" if dt == torch.float32 else "tf32",
         UPCAST=dt == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=num_warps or (8 if quant else 4), num_stages=num_stages,
     )

@@ -6,6 +6,9 @@ function builds each KV head's visibility from the entries' original RoPE positi
     visible[h, i, j] = pos[h, j] >= 0  and  pos[h, j] <= qpos[i]  (and qpos[i] - pos[h, j] < window when sliding)
 
 (``pos = -1`` marks padding of shorter heads), so every head attends only to its kept entries plus the new tokens.
+A layer with per-entry biases (Attention Matching's beta, arXiv 2602.16284 §3: ``PackedLayer.biases``) adds them to
+the logits, ``softmax(q . k * scaling + beta)``, new tokens at 0: ``logit_mask`` turns visibility and biases into
+the one additive mask SDPA takes (and the explicit scored path adds them to its logits).
 For any other keys it is exactly transformers' SDPA attention, so a model switched to ``"kvpack"`` behaves as
 before with ordinary caches.
 
@@ -36,7 +39,7 @@ import torch.nn.functional as F
 from .errors import UnsupportedModelError
 from .stats import attention_with_column_sums, one_pass_applies, one_pass_attention, visible_mask
 
-__all__ = ["ATTN_IMPLEMENTATION", "register", "use_kvpack_attention", "masks_unused", "masked_attention",
+__all__ = ["ATTN_IMPLEMENTATION", "register", "use_kvpack_attention", "masks_unused", "masked_attention", "logit_mask",
            "scored_attention_dense", "update_max_scores", "attention_with_lse", "QUERY_BLOCK"]
 
 ATTN_IMPLEMENTATION = "kvpack"
@@ -50,8 +53,8 @@ _registered = False
 _MASKS_UNUSED = contextvars.ContextVar("kvpack_masks_unused", default=False)
 
 
-def masked_attention(query, key, value, visible, scaling, scores=None, query_block: int = QUERY_BLOCK):
-    """Attention with a per-KV-head visibility mask.
+def masked_attention(query, key, value, visible, scaling, scores=None, query_block: int = QUERY_BLOCK, bias=None):
+    """Attention with a per-KV-head visibility mask and optional per-entry logit biases.
 
     Args:
         query: ``[1, heads, q, head_dim]``.
@@ -60,6 +63,8 @@ def masked_attention(query, key, value, visible, scaling, scores=None, query_blo
         scaling: softmax temperature applied to ``q . k``.
         scores: optional ``[kv_heads, n]`` float32 buffer (``n <= kv``); if given, updated in place with
             ``max`` over queries and GQA group of the attention probabilities of the first ``n`` entries.
+        bias: optional ``[kv_heads, kv]`` float32 added to every query's logit of each entry (Attention Matching's
+            beta, arXiv 2602.16284 §3): ``softmax(q . k * scaling + bias)`` (``logit_mask``).
 
     Returns:
         ``[1, q, heads, head_dim_v]`` attention output (the layout transformers expects).
@@ -68,12 +73,21 @@ def masked_attention(query, key, value, visible, scaling, scores=None, query_blo
     kv_heads = key.shape[1]
     group = heads // kv_heads
     if scores is None:
-        mask = visible.repeat_interleave(group, dim=0).unsqueeze(0)  # [1, heads, q, kv]
+        mask = visible if bias is None else logit_mask(visible, bias, query.dtype)
+        mask = mask.repeat_interleave(group, dim=0).unsqueeze(0)  # [1, heads, q, kv]
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous()
-    if query.device.type == "cpu" and bool((visible == visible[:1]).all()):
+    if bias is None and query.device.type == "cpu" and bool((visible == visible[:1]).all()):
         return _scored_attention_fused(query, key, value, visible[0], scaling, scores)
-    return _scored_attention_explicit(query, key, value, visible, scaling, scores, query_block)
+    return _scored_attention_explicit(query, key, value, visible, scaling, scores, query_block, bias)
+
+
+def logit_mask(visible: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The one place per-entry biases become an additive attention term: ``[kv_heads, q, kv]`` in ``dtype``,
+    ``bias[h, j]`` where ``visible[h, i, j]``, ``-inf`` elsewhere (``visible``: ``[kv_heads, q, kv]`` bool;
+    ``bias``: ``[kv_heads, kv]`` float32). In a reduced-precision ``dtype`` the bias is rounded to it, as SDPA
+    adds masks in the query's dtype."""
+    return torch.where(visible, bias[:, None, :].float(), float("-inf")).to(dtype)
 
 
 def scored_attention_dense(query, key, value, past: int, scaling, scores):
@@ -181,8 +195,9 @@ def _scored_attention_fused(query, key, value, visible, scaling, scores):
     return out.transpose(1, 2).contiguous()
 
 
-def _scored_attention_explicit(query, key, value, visible, scaling, scores, query_block):
-    """Any device: materialise the probabilities block by block. ``visible``: ``[kv_heads, q, kv]``."""
+def _scored_attention_explicit(query, key, value, visible, scaling, scores, query_block, bias=None):
+    """Any device: materialise the probabilities block by block. ``visible``: ``[kv_heads, q, kv]``; ``bias``:
+    optional ``[kv_heads, kv]`` float32 logit biases."""
     _, heads, q_len, _ = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
@@ -193,6 +208,8 @@ def _scored_attention_explicit(query, key, value, visible, scaling, scores, quer
     for s in range(0, q_len, query_block):
         qb = query[0, :, s : s + query_block].float().view(kv_heads, group, -1, query.shape[-1])
         logits = torch.einsum("hgqd,hkd->hgqk", qb, k) * scaling
+        if bias is not None:
+            logits += bias[:, None, None, :].float()
         logits.masked_fill_(~visible[:, None, s : s + query_block], float("-inf"))
         probs = logits.softmax(dim=-1)  # [kv_heads, group, qb, kv]
         torch.maximum(scores, probs[..., :n].amax(dim=(1, 2)), out=scores)
@@ -283,12 +300,15 @@ def kvpack_attention_forward(module, query, key, value, attention_mask, dropout:
         raise UnsupportedModelError("a kvpack cache serves one sequence at a time (batch size 1)")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if layer.queries is not None:  # Attention Matching's reference queries (post q-norm and RoPE)
+        layer.queries.append((query[0].detach(), float(scaling)))
     window = kwargs.get("sliding_window")
-    if (layer.scores is not None and query.device.type == "cpu" and layer.dense and window is None
+    bias = layer.logit_bias()
+    if (layer.scores is not None and bias is None and query.device.type == "cpu" and layer.dense and window is None
             and layer.tail_length == query.shape[2]):
         return scored_attention_dense(query, key, value, layer.kept, scaling, layer.scores), None
     visible = layer.visibility(query.shape[2], window)
-    return masked_attention(query, key, value, visible, scaling, scores=layer.scores), None
+    return masked_attention(query, key, value, visible, scaling, scores=layer.scores, bias=bias), None
 
 
 @contextlib.contextmanager

@@ -5,7 +5,8 @@ entries' original RoPE positions ``[kv_heads, max_kept]`` (``-1`` marks padding)
 them (the "tail") at logical positions ``original_length, original_length + 1, ...``: ``get_seq_length()``
 reports the original context length plus the tail, so transformers gives new tokens the RoPE positions they
 would have had after the full context. The ``"kvpack"`` attention function (``kvpack.attention``) masks each
-head to its own kept entries plus the tail.
+head to its own kept entries plus the tail, adding each kept entry's logit bias when the pack has biases
+(``LayerEntries.biases``, Attention Matching); the tail's bias is 0.
 
 Reuse across questions: ``rewind()`` drops the tail and restores the cache exactly as loaded.
 ``kvpack.generate`` calls it before and after every answer, so asking question 2 after question 1 gives exactly
@@ -37,13 +38,15 @@ class PackedLayer(CacheLayerMixin):
         sliding: whether this is a sliding-window layer kept intact (informational; the window itself comes from
             the model's attention call).
         dense: whether no head is padded (``positions`` has no ``-1``); computed from ``positions`` if ``None``.
+        biases: ``[kv_heads, kept]`` float32 additive attention-logit bias of each kept entry (Attention Matching,
+            arXiv 2602.16284 §3; 0 on padding), or ``None`` (all zero). New tokens have bias 0.
     """
 
     is_compileable = False
     is_croppable = False
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, original_length: int,
-                 sliding: bool = False, dense: bool | None = None):
+                 sliding: bool = False, dense: bool | None = None, biases: torch.Tensor | None = None):
         super().__init__()
         self.keys, self.values = keys, values
         self.positions = positions
@@ -56,6 +59,18 @@ class PackedLayer(CacheLayerMixin):
         self.scores: torch.Tensor | None = None
         #: every head holds all ``kept`` entries (no padding), so masks reduce to causality among new tokens
         self.dense = bool((positions >= 0).all()) if dense is None else bool(dense)
+        self.biases = biases
+        #: a list while Attention Matching records reference queries (``kvpack.methods.am``): the attention
+        #: function appends ``(query [heads, q, head_dim], scaling)`` of every call; ``None`` otherwise.
+        self.queries: list | None = None
+
+    def logit_bias(self) -> torch.Tensor | None:
+        """``[kv_heads, kv]`` float32 additive logit bias of every entry (kept entries' ``biases``, then 0 for the
+        tail), or ``None`` when the layer has no biases."""
+        if self.biases is None:
+            return None
+        tail = self.biases.new_zeros(self.biases.shape[0], self.tail_length)
+        return torch.cat([self.biases, tail], dim=1)
 
     @property
     def tail_length(self) -> int:
@@ -186,9 +201,28 @@ class KvpackCache(Cache):
         if not pack.layers:
             raise InputError("the pack has no layers")
         n = pack.original_tokens
-        layers = [PackedLayer(keys, values, positions, n, sliding=idx in sliding_layers, dense=dense)
+        layers = [PackedLayer(keys, values, positions, n, sliding=idx in sliding_layers, dense=dense,
+                              biases=_padded_biases(pack.layers[idx], keys.shape[2], keys.device))
                   for idx, (keys, values, positions, dense) in enumerate(_laid_out(pack.layers, dtype, device))]
         return cls(layers, pack.token_ids.long().cpu(), dict(pack.metadata))
+
+
+def _padded_biases(entries: LayerEntries, longest: int, device) -> torch.Tensor | None:
+    """``entries.biases`` (``[entries]``) laid out per head as ``[kv_heads, longest]`` float32 on ``device``, 0 after
+    each head's rows; ``None`` if the layer has no biases. Raises ``InputError`` if it does not have one value per
+    entry."""
+    if entries.biases is None:
+        return None
+    b = entries.biases
+    if b.dim() != 1 or b.shape[0] != entries.num_entries:
+        raise InputError(f"a layer's biases have shape {list(b.shape)}, expected [{entries.num_entries}] (one per "
+                         "entry); build the pack again with kvpack.compress")
+    lengths = entries.head_lengths.to(torch.int64)
+    row = torch.arange(longest)[None, :]
+    inside = row < lengths[:, None]  # [kv_heads, longest]
+    out = torch.zeros(inside.shape, dtype=torch.float32)
+    out[inside] = b.float().cpu()  # row-major: head 0's rows first, as in the pack
+    return out.to(device)
 
 
 def _laid_out(layers: list[LayerEntries], dtype: torch.dtype | None, device: torch.device | str

@@ -99,7 +99,8 @@ def cli():
 #: CLI option -> method parameter; each method takes the parameters its class declares (``kvpack.methods``).
 _METHOD_FLAGS = {"sink": "--sink", "recent_ratio": "--recent-ratio", "merge": "--merge/--no-merge",
                  "beta": "--beta", "budget": "--budget", "window": "--window", "question": "--question",
-                 "seed": "--seed"}
+                 "seed": "--seed", "selection": "--select", "values": "--values", "queries": "--queries",
+                 "on_policy": "--on-policy"}
 
 
 def _method_options(f):
@@ -121,6 +122,14 @@ def _method_options(f):
                      help="d2o: recent window's share of a head's non-sink budget, M/(N+M) [default: 0.25, N:M=3:1]."),
         click.option("--sink", type=click.IntRange(min=0), default=None,
                      help="d2o, streaming: attention-sink tokens kept at the start of the context [default: 4]."),
+        click.option("--select", "selection", type=click.Choice(["kvzip", "rms"]), default=None,
+                     help="am: keys kept within a head, by KVzip's score or RMS attention [default: kvzip]."),
+        click.option("--values", type=click.Choice(["fit", "copy", "merge"]), default=None,
+                     help="am: kept values fitted by least squares, copied, or D2O-merged [default: fit]."),
+        click.option("--queries", type=click.IntRange(min=16), default=None,
+                     help="am: reference queries per KV head [default: 4096]."),
+        click.option("--on-policy", "on_policy", is_flag=True, default=None,
+                     help="am: recompute each layer's queries with the earlier layers compacted."),
     ]
     for opt in opts:
         f = opt(f)

@@ -211,5 +211,5 @@ def assemble_pack(model, tokenizer, text: str, scorer, ratio: float, full, keep:
                   "layer_budgets": [int(b) for b in keep.sum(dim=(1, 2))]},
     }
     if merge_stats:
-        metadata["stats"]["merge"] = merge_stats
+        metadata["stats"][scorer.stats_key] = merge_stats
     return Pack(token_ids=full.token_ids.clone(), layers=layers, sink_tokens=full.sink, metadata=metadata)

@@ -153,6 +153,7 @@ def info_text(file: str | os.PathLike, *, storage_options: dict | None = None) -
             else "?") for e in errors]
         out.append(table(("layer", "key max", "key mean", "value max", "value mean", "quantized"), err_rows,
                           right=(0, 1, 2, 3, 4, 5), indent="  "))
+    out += _fit_lines(stats.get("fit"), [l for l, k in enumerate(kinds) if k == "compressed"])
 
     out.append("\nbytes by section")
     sections = header.bytes_by_section()
@@ -160,6 +161,21 @@ def info_text(file: str | os.PathLike, *, storage_options: dict | None = None) -
     sec_rows.append(("total", f"{header.file_bytes:,}", "100.0%"))
     out.append(table(("section", "bytes", "share"), sec_rows, right=(1, 2), indent="  "))
     return "\n".join(out)
+
+
+def _fit_lines(fit, compressed: list[int]) -> list[str]:
+    """Attention Matching's fit per compressed layer (``kvpack.methods.am``), when the pack records one."""
+    if not isinstance(fit, dict) or not isinstance(fit.get("relative_error"), list):
+        return []
+    head = (f"\nattention matching fit (relative error of the head outputs on {fit.get('held_out', '?')} held-out "
+            f"queries per KV head; {fit.get('queries', '?')} fit queries; heads left as selected: "
+            f"{fit.get('heads_unfitted', '?')} unfitted, {fit.get('heads_rejected', '?')} rejected)")
+    cols = [fit.get(k) if isinstance(fit.get(k), list) else [] for k in ("relative_error", "selection_error",
+                                                                          "mass_error")]
+    rows = [(str(compressed[i]) if i < len(compressed) else "?",
+             *(_num(c[i]) if i < len(c) and c[i] is not None else "-" for c in cols)) for i in range(len(cols[0]))]
+    return [head, table(("layer", "fit error", "selection alone", "mass error"), rows, right=(0, 1, 2, 3),
+                        indent="  ")]
 
 
 def _num(x) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import types
 
 import torch
 
@@ -91,17 +92,20 @@ def load(path: str | os.PathLike, model, *, device=None, tokenizer=None,
 def _guard_generate(model) -> None:
     """Wrap ``model._prefill`` (transformers 5: where ``generate`` reads the cache's length before its first forward)
     so that a ``KvpackCache`` passed as ``past_key_values`` checks the input and rewinds itself first
-    (``KvpackCache.prepare_generate``). Installed once per model; other caches pass through untouched."""
-    original = getattr(model, "_prefill", None)
-    if original is None or getattr(original, "_kvpack_guard", False):
+    (``KvpackCache.prepare_generate``). Installed once per model as a method bound to it, so a ``copy.deepcopy`` of
+    the model (e.g. cast to another dtype) calls its own ``_prefill``, not the original's; other caches pass through
+    untouched."""
+    if getattr(type(model), "_prefill", None) is None:
         return
+    if getattr(model.__dict__.get("_prefill"), "__func__", None) is _guarded_prefill:
+        return
+    model._prefill = types.MethodType(_guarded_prefill, model)
 
-    def _prefill(input_ids, generation_config, model_kwargs, *args, **kwargs):
-        cache = model_kwargs.get("past_key_values")
-        first = kwargs.get("is_first_iteration", args[0] if args else True)
-        if isinstance(cache, KvpackCache) and first and input_ids is not None and input_ids.numel():
-            cache.prepare_generate(input_ids)
-        return original(input_ids, generation_config, model_kwargs, *args, **kwargs)
 
-    _prefill._kvpack_guard = True
-    model._prefill = _prefill
+def _guarded_prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
+    """``_guard_generate``'s wrapper: the class's own ``_prefill`` after ``KvpackCache.prepare_generate``."""
+    cache = model_kwargs.get("past_key_values")
+    first = kwargs.get("is_first_iteration", args[0] if args else True)
+    if isinstance(cache, KvpackCache) and first and input_ids is not None and input_ids.numel():
+        cache.prepare_generate(input_ids)
+    return type(self)._prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs)

@@ -206,6 +206,8 @@ def test_python_dash_m_and_version():
     (["--method", "streaming", "--sink", "0"], "method\\s+streaming \\(sink=0\\)"),
     (["--method", "random", "--seed", "3", "--budget", "layer"], "method\\s+random \\(budget=layer, seed=3\\)"),
     (["--method", "none"], "method\\s+none$"),
+    (["--method", "am", "--select", "rms", "--values", "copy", "--queries", "64", "--on-policy"],
+     "method\\s+am \\(.*on_policy=True, queries=64, selection=rms, .*values=copy\\)"),
 ])
 def test_build_with_method_options_and_info_shows_them(docs, models, tmp_path, args, params):
     out = tmp_path / "packs"
@@ -216,6 +218,7 @@ def test_build_with_method_options_and_info_shows_them(docs, models, tmp_path, a
     kept = re.search(r"context: ([\d,]+) of", info)
     assert budgets and sum(int(b) for b in budgets.group(1).split(", ")) == int(kept.group(1).replace(",", ""))
     assert ("merged " in info) == ("d2o" in args and "--no-merge" not in args)
+    assert ("attention matching fit" in info) == ("am" in args)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -224,6 +227,7 @@ def test_build_with_method_options_and_info_shows_them(docs, models, tmp_path, a
     (["--method", "none", "--window", "4"], "it has no method options"),
     (["--method", "pyramidkv", "--budget", "global"], "error: pyramidkv: budget must be one of layer, head"),
     (["--method", "d2o", "--beta", "2"], "error: d2o: beta must be a number in [0.0, 1.0]"),
+    (["--method", "kvzip", "--values", "fit"], "error: --method kvzip does not take --values"),
 ])
 def test_build_refuses_options_the_method_does_not_take(docs, models, tmp_path, args, message):
     res = _run(["build", str(docs / "alpha.txt"), "--model", models["llama"], "--device", "cpu",

@@ -26,6 +26,7 @@ RATIO = 0.3
 #: Harder settings per method, run on one architecture (every method also runs with its defaults everywhere).
 VARIANTS = {
     "kvzip": [dict(tail_tokens=0)],
+    "am": [dict(selection="rms", values="merge", queries=64), dict(values="copy", on_policy=True)],
     "d2o": [dict(merge=False), dict(sink=0, recent_ratio=0.0, beta=1.0), dict(sink=50, recent_ratio=1.0)],
     "streaming": [dict(sink=0)],
     "h2o": [dict(budget="global"), dict(budget="layer")],
@@ -89,7 +90,7 @@ def test_every_method_builds_loads_and_generates_on_every_architecture(name, arc
         name, {"chunk_size": 40}).params()
     merges = name == "d2o"
     assert ("merge" in pack.metadata["stats"]) == merges
-    _check_pack(model, tok, pack, method, tmp_path, exact=not merges)
+    _check_pack(model, tok, pack, method, tmp_path, exact=not merges and name != "am")
 
 
 @pytest.mark.parametrize("name, options", [(n, o) for n, opts in VARIANTS.items() for o in opts])
@@ -98,7 +99,7 @@ def test_method_variants(name, options, tmp_path):
     pack = kvpack.compress(model, tok, TEXT, method=name, ratio=RATIO, chunk_size=40, **options)
     method = get_method(name, **options)
     assert pack.metadata["method_params"] == get_method(name, {"chunk_size": 40}, **options).params()
-    _check_pack(model, tok, pack, method, tmp_path, exact=not (name == "d2o" and method.merge))
+    _check_pack(model, tok, pack, method, tmp_path, exact=not (name == "d2o" and method.merge) and name != "am")
 
 
 def test_none_keeps_everything_and_records_ratio_one(tmp_path):

@@ -4,6 +4,7 @@ per-method tests (``tests/test_methods.py`` runs every entry on every tiny archi
 from __future__ import annotations
 
 from ..errors import InputError
+from .am import AttentionMatching
 from .base import Method
 from .d2o import D2O
 from .h2o import H2O
@@ -18,7 +19,7 @@ from .streaming import StreamingLLM
 __all__ = ["METHODS", "Method", "get_method"]
 
 METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (
-    KVzip, D2O, StreamingLLM, H2O, SnapKV, PyramidKV, KNorm, RandomScores, NoCompression)}
+    KVzip, AttentionMatching, D2O, StreamingLLM, H2O, SnapKV, PyramidKV, KNorm, RandomScores, NoCompression)}
 
 
 def get_method(name: str, defaults: dict | None = None, **params) -> Method:

@@ -51,11 +51,13 @@ class Method:
         name: the registry name (``--method``).
         scopes: the values the method's ``budget`` field may take; empty when it has no ``budget`` field.
         fixed_scope: the scope of a method without a ``budget`` field.
+        stats_key: the key of ``update_entries``' statistics in the pack's ``metadata["stats"]``.
     """
 
     name: ClassVar[str] = ""
     scopes: ClassVar[tuple[str, ...]] = ()
     fixed_scope: ClassVar[str] = "global"
+    stats_key: ClassVar[str] = "merge"
 
     def __post_init__(self):
         if self.scopes:

@@ -17,7 +17,7 @@ from ..prefill import Prefill
 from ..stats import AttentionRecorder
 from .base import Method, check_bool, check_float, check_int, context_stats, fit_budgets, top_k_rows
 
-__all__ = ["D2O", "layer_variance", "ema_thresholds", "merge_evicted", "nearest_kept"]
+__all__ = ["D2O", "layer_variance", "ema_thresholds", "merge_evicted", "merge_plan", "merge_rows", "nearest_kept"]
 
 #: Entries of one block of evicted x kept cosine similarities (64 MB of float32).
 SIM_BLOCK_ELEMENTS = 16 * 2**20
@@ -240,12 +240,33 @@ def merge_evicted(kept_keys: torch.Tensor, kept_values: torch.Tensor, evicted_ke
         ``(e k_c + sum_i exp(s_i) k_i) / (e + sum_i exp(s_i))`` over the merged entries ``i`` whose nearest kept
         entry (cosine similarity ``s_i``, the highest; ties to the first) is ``c``.
     """
-    m = kept_keys.shape[0]
+    merged, target, w = merge_plan(kept_keys, evicted_keys, beta)
+    keys = merge_rows(kept_keys, evicted_keys[merged], target, w)
+    values = merge_rows(kept_values, evicted_values[merged], target, w)
+    return keys, values, merged
+
+
+def merge_plan(kept_keys: torch.Tensor, evicted_keys: torch.Tensor, beta: float
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Which evicted entries D2O merges, where, and with what weight (arXiv 2406.13035, §3, token level).
+
+    Args:
+        kept_keys: ``[m, head_dim]`` float32, ``m >= 1``; evicted_keys: ``[e, head_dim]`` float32 in position order.
+        beta: EMA weight of the threshold (``ema_thresholds``).
+
+    Returns:
+        ``(merged, target, weight)``: ``[e]`` bool, the evicted entries whose similarity meets the threshold;
+        ``[e']`` int64, the nearest kept entry of each merged one (``nearest_kept``); ``[e']`` float32, its weight
+        ``exp(s_i)`` (``e' = merged.sum()``).
+    """
     sims, nearest = nearest_kept(evicted_keys, kept_keys)
     merged = sims.double() >= ema_thresholds(sims, beta)
-    w = sims[merged].exp()
-    target = nearest[merged]
-    den = torch.full((m,), math.e).index_add_(0, target, w)
-    keys = (math.e * kept_keys).index_add_(0, target, w[:, None] * evicted_keys[merged]) / den[:, None]
-    values = (math.e * kept_values).index_add_(0, target, w[:, None] * evicted_values[merged]) / den[:, None]
-    return keys, values, merged
+    return merged, nearest[merged], sims[merged].exp()
+
+
+def merge_rows(kept: torch.Tensor, merged: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """D2O's weighted merge of rows: kept row ``c`` becomes ``(e x_c + sum_i w_i x_i) / (e + sum_i w_i)`` over the
+    merged rows ``i`` with ``target[i] = c`` (arXiv 2406.13035, §3). ``kept``: ``[m, dim]`` float32; ``merged``:
+    ``[e', dim]``; ``target``, ``weight``: ``[e']`` from ``merge_plan``. Returns ``[m, dim]`` float32."""
+    den = torch.full((kept.shape[0],), math.e).index_add_(0, target, weight)
+    return (math.e * kept).index_add_(0, target, weight[:, None] * merged) / den[:, None]

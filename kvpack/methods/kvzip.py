@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Iterator
 
 import torch
 
@@ -51,31 +51,42 @@ class KVzip(Method):
     def score(self, model, tokenizer, prefill: Prefill, progress: Callable[[int], None] | None = None
               ) -> torch.Tensor:
         use_kvpack_attention(model)
-        spec, layout = prefill.spec, prefill.layout
+        spec = prefill.spec
         n_ctx = prefill.context_tokens
         device = prefill.keys[0].device
         scores = torch.zeros(len(spec.compressed_layers), spec.num_kv_heads, n_ctx, dtype=torch.float32,
                              device=device)
-        context_ids = prefill.token_ids[prefill.sink:].tolist()
         body = model.base_model
-        for start in range(0, n_ctx, self.chunk_size):
-            stop = min(n_ctx, start + self.chunk_size)
-            if start == 0:
-                prompt = tasks.REPEAT_PROMPT
-            else:
-                tail = tokenizer.decode(context_ids[max(0, start - self.tail_tokens) : start])
-                prompt = tasks.repeat_from_prompt(tail)
-            repeat_ids = layout.encode(tokenizer, layout.separator + prompt + layout.turn_end)
-            repeat_ids = repeat_ids + context_ids[start:stop]
+        for start, stop, repeat_ids in self.repeat_inputs(tokenizer, prefill):
             cache = prefill.view_cache(slice(start, stop))
             buffers = []
             for l in spec.compressed_layers:
                 layer = cache.layers[l]
                 layer.scores = torch.zeros(spec.num_kv_heads, layer.kept, dtype=torch.float32, device=device)
                 buffers.append(layer.scores)
+            self._prepare_repeat_pass(cache, start)
             body(input_ids=torch.tensor([repeat_ids], device=device), past_key_values=cache, use_cache=True)
             for i, buf in enumerate(buffers):
                 scores[i, :, start:stop] = buf[:, prefill.sink :]
             if progress:
                 progress(stop)
         return scores
+
+    def repeat_inputs(self, tokenizer, prefill: Prefill) -> Iterator[tuple[int, int, list[int]]]:
+        """``(start, stop, repeat_ids)`` of every chunk: context tokens ``start .. stop - 1`` (after the sink) and
+        the token ids of its repeat input (the prompt, the assistant header, the chunk's tokens)."""
+        layout = prefill.layout
+        context_ids = prefill.token_ids[prefill.sink:].tolist()
+        for start in range(0, prefill.context_tokens, self.chunk_size):
+            stop = min(prefill.context_tokens, start + self.chunk_size)
+            if start == 0:
+                prompt = tasks.REPEAT_PROMPT
+            else:
+                tail = tokenizer.decode(context_ids[max(0, start - self.tail_tokens) : start])
+                prompt = tasks.repeat_from_prompt(tail)
+            repeat_ids = layout.encode(tokenizer, layout.separator + prompt + layout.turn_end)
+            yield start, stop, repeat_ids + context_ids[start:stop]
+
+    def _prepare_repeat_pass(self, cache, start: int) -> None:
+        """Called before the repeat pass of the chunk starting at context token ``start`` with its cache (a
+        ``KvpackCache``); Attention Matching records the pass's queries here. Does nothing by default."""

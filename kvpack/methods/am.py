@@ -1,0 +1,248 @@
+"""Attention Matching: a compacted cache of kept keys with fitted per-entry biases and values (Zweiger, Fu, Guo,
+Kim, "Fast KV Compaction via Attention Matching", arXiv 2602.16284, §3; the fit itself is ``kvpack.methods.am_fit``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+
+from ..pack import LayerEntries
+from ..prefill import Prefill
+from .am_fit import attention_output, fit_head, relative_error
+from .base import check_bool, check_choice, check_int, top_k_rows
+from .d2o import D2O, merge_plan, merge_rows
+from .kvzip import KVzip
+
+__all__ = ["AttentionMatching", "QueryReservoir", "HELD_OUT", "SELECTIONS", "VALUE_MODES"]
+
+#: Within-head selections (``selection``) and value modes (``values``).
+SELECTIONS = ("kvzip", "rms")
+VALUE_MODES = ("fit", "copy", "merge")
+#: Reference queries per KV head held out of the fit to measure it (at most; an eighth of a smaller pool).
+HELD_OUT = 256
+#: Seed of the deterministic query subsampling.
+QUERY_SEED = 0
+#: A head is fitted only when its fit queries outnumber its kept entries this many times (least squares needs
+#: an overdetermined system: with about as many unknowns as equations the fit interpolates noise, and it costs
+#: O(n t^2)); a head keeping more is left as KVzip selected it (beta = 0, values copied).
+OVERDETERMINED = 2
+
+
+class QueryReservoir:
+    """Reference queries of one layer, pooled per KV head and subsampled deterministically.
+
+    The attention function appends ``(query, scaling)`` for every call (``PackedLayer.queries``), ``query``
+    ``[heads, q, head_dim]`` after q-norm and RoPE. The query heads of a GQA group are pooled (head ``j`` serves KV
+    head ``j // group``), and each call keeps at most ``cap`` rows per KV head (a seeded random subset, the same
+    rows for every KV head), so memory stays bounded on long contexts. ``split`` then takes ``cap`` rows of the
+    whole pool (again seeded) and holds some out.
+    """
+
+    def __init__(self, kv_heads: int, cap: int, seed: int = QUERY_SEED):
+        self.kv_heads, self.cap = kv_heads, cap
+        self.parts: list[torch.Tensor] = []
+        self.scaling: float | None = None
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def append(self, item: tuple[torch.Tensor, float]) -> None:
+        """Add one attention call's ``(query [heads, q, head_dim], scaling)``."""
+        query, self.scaling = item
+        heads, q, d = query.shape
+        pooled = query.reshape(self.kv_heads, (heads // self.kv_heads) * q, d)
+        self.parts.append(self._subsample(pooled).float())
+
+    def _subsample(self, pooled: torch.Tensor) -> torch.Tensor:
+        n = pooled.shape[1]
+        if n <= self.cap:
+            return pooled
+        idx = torch.randperm(n, generator=self.generator)[: self.cap].sort().values
+        return pooled[:, idx.to(pooled.device)]
+
+    def split(self, held_out: int = HELD_OUT) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(fit, held)``: ``[kv_heads, n_fit, head_dim]`` and ``[kv_heads, n_held, head_dim]`` float32, with
+        ``n_fit + n_held <= cap`` and ``n_held = min(held_out, pool / 8)``. Raises ``RuntimeError`` if nothing
+        was recorded."""
+        if not self.parts:
+            raise RuntimeError("no reference queries were recorded (the repeat pass did not run)")
+        pool = self._subsample(torch.cat(self.parts, dim=1))
+        held = min(held_out, pool.shape[1] // 8)
+        return pool[:, held:], pool[:, :held]
+
+
+@dataclass
+class AttentionMatching(KVzip):
+    """KVzip's selection, then per KV head a closed-form fit of a bias ``beta`` per kept entry and of their values
+    so that attention over the kept entries reproduces attention over the whole context (arXiv 2602.16284 §3).
+
+    Reference queries (§4.1, "repeat" queries): the queries of KVzip's repeat pass (arXiv 2505.23416 §3.2), which
+    scoring runs anyway, recorded as each layer sees them (after q-norm and RoPE), the query heads of a GQA group
+    pooled per KV head and subsampled deterministically to ``queries`` per KV head (``QueryReservoir``), of which
+    up to ``HELD_OUT`` are held out of the fit to measure it.
+
+    Kept keys: KVzip's global top-k (non-uniform head budgets); within a head, KVzip's scores (``selection=
+    "kvzip"``) or the highest RMS attention over the reference queries (``"rms"``, the paper's default score).
+
+    Fit (``kvpack.methods.am_fit.fit_head``), on the context entries of each head (the attention sink, the template
+    prefix, stays exact: beta = 0, values copied): beta by mass matching (box NNLS, beta in ``am_fit.BETA_RANGE``),
+    values by least squares in float32 (``values="fit"``), the selected values as they are (``"copy"``: beta only),
+    or D2O's similarity-weighted merge of each evicted entry into its most similar kept entry's value, keys
+    untouched (``"merge"``, arXiv 2406.13035 §3, with D2O's EMA threshold weight). The model's own attention
+    scaling is used.
+
+    ``on_policy``: layer ``l``'s reference queries are recomputed by a repeat pass in which the compressed layers
+    before ``l`` are already compacted (§3.3, on-policy queries); one extra repeat pass per compressed layer.
+
+    Two guards of kvpack's own (not in the paper, which fits with up to 50,000 queries per head): a head keeping
+    more than ``1 / OVERDETERMINED`` of its fit queries' count is not fitted (least squares would interpolate
+    noise), and with ``held_out_check`` a head whose fit is worse on the held-out queries than KVzip's selection
+    alone keeps the selection (beta = 0, values copied). Either way the head is exactly KVzip's.
+
+    The pack's metadata gets ``stats["fit"]``: per compressed layer the mean relative error of the head outputs on
+    the held-out queries (``relative_error``, the kept heads counted as kept), the same for KVzip's selection alone
+    at the same budget (beta = 0, values copied: ``selection_error``; fitted heads only, as ``relative_error``),
+    the mean relative mass error on the fit queries of the fitted heads, and the heads left unfitted or rejected.
+
+    Parameters:
+        chunk_size, tail_tokens: KVzip's (its repeat pass).
+        selection: ``"kvzip"`` or ``"rms"``.
+        values: ``"fit"``, ``"copy"`` or ``"merge"``.
+        queries: reference queries per KV head (fit + held out), ``>= 16``.
+        on_policy: recompute each layer's queries with the earlier layers compacted.
+        held_out_check: keep KVzip's selection for a head whose fit does worse on held-out queries (default true).
+    """
+
+    name: ClassVar[str] = "am"
+    stats_key: ClassVar[str] = "fit"
+    selection: str = "kvzip"
+    values: str = "fit"
+    queries: int = 4096
+    on_policy: bool = False
+    held_out_check: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_choice(self.name, "selection", self.selection, SELECTIONS)
+        check_choice(self.name, "values", self.values, VALUE_MODES)
+        check_int(self.name, "queries", self.queries, 16)
+        check_bool(self.name, "on_policy", self.on_policy)
+        check_bool(self.name, "held_out_check", self.held_out_check)
+        self._reservoirs: list[QueryReservoir] | None = None
+
+    def _prepare_repeat_pass(self, cache, start: int) -> None:
+        spec = self._spec
+        for i, l in enumerate(spec.compressed_layers):
+            cache.layers[l].queries = self._reservoirs[i]
+
+    @torch.inference_mode()
+    def score(self, model, tokenizer, prefill: Prefill, progress: Callable[[int], None] | None = None
+              ) -> torch.Tensor:
+        self._spec = prefill.spec
+        self._reservoirs = [QueryReservoir(prefill.spec.num_kv_heads, self.queries)
+                            for _ in prefill.spec.compressed_layers]
+        self._model, self._tokenizer = model, tokenizer
+        return super().score(model, tokenizer, prefill, progress)
+
+    def _reference(self, i: int, reservoirs: list[QueryReservoir] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Fit and held-out queries of compressed layer ``i`` and the layer's attention scaling (from
+        ``reservoirs``, default: the repeat pass's)."""
+        if self._reservoirs is None:
+            raise RuntimeError("am: score() must run before select() and update_entries()")
+        reservoir = (reservoirs or self._reservoirs)[i]
+        fit, held = reservoir.split()
+        return fit, held, float(reservoir.scaling)
+
+    def select(self, scores: torch.Tensor, ratio: float, prefill: Prefill | None = None) -> torch.Tensor:
+        keep = super().select(scores, ratio, prefill)
+        if self.selection == "kvzip":
+            return keep
+        rms = torch.stack([self._rms_scores(prefill, i) for i in range(keep.shape[0])])
+        layers, heads, n = keep.shape
+        return top_k_rows(rms.reshape(layers * heads, n), keep.sum(dim=2).reshape(-1)).view(keep.shape)
+
+    def _rms_scores(self, prefill: Prefill, i: int) -> torch.Tensor:
+        """``[kv_heads, context]`` float32 on CPU: the RMS over the fit queries of each context entry's attention
+        probability within the context (the paper's ``score_method="rms"``)."""
+        fit, _, scaling = self._reference(i)
+        keys = prefill.keys[prefill.spec.compressed_layers[i]][:, prefill.sink :].float()
+        out = []
+        for h in range(keys.shape[0]):
+            probs = ((fit[h] @ keys[h].T) * scaling).softmax(dim=-1)
+            out.append(probs.pow(2).mean(dim=0).sqrt())
+        return torch.stack(out).cpu()
+
+    @torch.inference_mode()
+    def update_entries(self, prefill: Prefill, keep: torch.Tensor, layers: list[LayerEntries]) -> dict:
+        spec, sink = prefill.spec, prefill.sink
+        errors, baseline, mass, n_fit, n_held, unfitted, rejected = [], [], [], 0, 0, 0, 0
+        reservoirs = list(self._reservoirs or [])
+        for i, l in enumerate(spec.compressed_layers):
+            if self.on_policy and i > 0:
+                reservoirs[i] = self._recompute_queries(prefill, layers, i)
+            fit_q, held_q, scaling = self._reference(i, reservoirs)
+            n_fit, n_held = fit_q.shape[1], held_q.shape[1]
+            entries = layers[l]
+            offsets = entries.head_offsets().tolist()
+            biases = torch.zeros(entries.num_entries, dtype=torch.float32)
+            keys = prefill.keys[l].float()  # [kv_heads, tokens, d], sink first
+            values = prefill.values[l].float()
+            err, base, ms = [], [], []
+            for h in range(keys.shape[0]):
+                kept = keep[i, h].nonzero().squeeze(1).to(keys.device)
+                if len(kept) == 0 or len(kept) * OVERDETERMINED > n_fit:
+                    unfitted += 1
+                    continue  # as KVzip selected it: beta = 0, values copied
+                k_ctx, v_ctx = keys[h, sink:], values[h, sink:]
+                fit = fit_head(k_ctx, v_ctx, fit_q[h], kept, scaling, fit_values=self.values == "fit")
+                new_values = fit.values
+                if self.values == "merge" and len(kept) < k_ctx.shape[0]:
+                    evicted = (~keep[i, h]).nonzero().squeeze(1).to(keys.device)
+                    merged, target, w = merge_plan(k_ctx[kept].cpu(), k_ctx[evicted].cpu(), D2O.beta)
+                    new_values = merge_rows(v_ctx[kept].cpu(), v_ctx[evicted].cpu()[merged], target, w)
+                if n_held:
+                    e_fit, e_sel = _held_out_errors(keys[h], values[h], held_q[h], sink, kept, fit.beta,
+                                                    new_values.to(keys.device), scaling)
+                    base.append(e_sel)
+                    if self.held_out_check and e_fit > e_sel:
+                        rejected += 1
+                        err.append(e_sel)
+                        continue  # the fit is worse than the selection alone on held-out queries
+                    err.append(e_fit)
+                rows = slice(offsets[h] + sink, offsets[h] + sink + len(kept))
+                entries.values[rows] = new_values.to(entries.values.dtype).cpu()
+                biases[rows] = fit.beta.cpu()
+                ms.append(fit.mass_error)
+            entries.biases = biases
+            errors.append(_mean(err))
+            baseline.append(_mean(base))
+            mass.append(_mean(ms))
+        return {"queries": n_fit, "held_out": n_held, "relative_error": errors, "selection_error": baseline,
+                "mass_error": mass, "heads_unfitted": unfitted, "heads_rejected": rejected}
+
+    def _recompute_queries(self, prefill: Prefill, layers: list[LayerEntries], i: int) -> QueryReservoir:
+        """On-policy queries of compressed layer ``i``: KVzip's repeat passes again, the compressed layers before
+        it holding their compacted entries (biases included) for the chunk's positions."""
+        from .am_policy import on_policy_queries
+
+        return on_policy_queries(self, self._model, self._tokenizer, prefill, layers, i,
+                                                QueryReservoir(prefill.spec.num_kv_heads, self.queries))
+
+
+def _held_out_errors(keys, values, queries, sink, kept, beta, new_values, scaling) -> tuple[float, float]:
+    """Relative errors of one head's output on held-out queries over ``[sink, context]``: the compacted head
+    (``beta``, ``new_values``) and KVzip's selection alone (beta = 0, values copied). ``keys``, ``values``:
+    ``[tokens, d]`` float32 with the sink first; ``kept``: indices into the context."""
+    full = attention_output(queries, keys, values, scaling)
+    rows = torch.cat([torch.arange(sink, device=keys.device), sink + kept])
+    zeros = torch.zeros(sink, device=keys.device)
+    compact = attention_output(queries, keys[rows], torch.cat([values[:sink], new_values]), scaling,
+                               torch.cat([zeros, beta]))
+    selected = attention_output(queries, keys[rows], values[rows], scaling)
+    return relative_error(full, compact), relative_error(full, selected)
+
+
+def _mean(xs: list[float]) -> float | None:
+    return float(sum(xs) / len(xs)) if xs else None

@@ -1,0 +1,162 @@
+"""Attention Matching's closed-form fit of one KV head (Zweiger et al., arXiv 2602.16284, §3; the paper's
+"HighestAttnKeys" variant with its fast configuration: NNLS as clamped least squares plus two projected-gradient
+steps, beta in [-3, 3], values by least squares).
+
+For a head with context keys ``K`` ``[T, d]``, values ``V`` ``[T, dv]``, reference queries ``Q`` ``[n, d]`` and a
+kept subset ``S`` (``t`` entries), with the model's attention scaling ``s`` and the per-query shift
+``m(q) = max_i s q.k_i`` shared by both sides:
+
+    mass      E = exp(s Q K^T - m)  [n, T],  y = E 1  [n],  M = E[:, S]  [n, t]
+              w = argmin_{low <= w <= high} ||M w - y||^2,   beta = log w                       (§3.1, Eq. 4)
+    values    Y = (E V) / y  [n, dv]   (the head's attention output over the context)
+              X = (M diag(w)) / (M w)  [n, t]   (attention over the kept keys with beta)
+              C_v = argmin ||X C_v - Y||^2                                                        (§3.2, Eq. 5)
+
+Matching both the mass ``y`` and the normalised output ``Y`` of the context makes attention over ``[sink,
+compacted context]`` match attention over ``[sink, full context]`` for every query, since the sink's own mass and
+output are untouched (the sink is kept exact: beta = 0, values copied).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["BETA_RANGE", "NNLS_ITERS", "RIDGE", "nnls_box", "least_squares", "HeadFit", "fit_head",
+           "attention_output", "relative_error"]
+
+#: beta = log w is clamped to this range (the paper's configuration: w in [e^-3, e^3]).
+BETA_RANGE = (-3.0, 3.0)
+#: Projected-gradient steps after the clamped least-squares start (the paper's configuration: 2).
+NNLS_ITERS = 2
+#: Ridge added to the normal equations when plain least squares fails (not finite, or no better than its
+#: fallback point), relative to the mean diagonal of the Gram matrix (the paper: a fixed 1e-6 on probabilities).
+RIDGE = 1e-6
+
+
+def nnls_box(M: torch.Tensor, y: torch.Tensor, low: float, high: float, iters: int = NNLS_ITERS) -> torch.Tensor:
+    """Box-constrained least squares ``argmin_{low <= w <= high} ||M w - y||^2``, approximately.
+
+    Starts from the unconstrained least-squares solution clamped to the box (``least_squares``), then takes
+    ``iters`` projected-gradient steps of size ``1 / ||M||_2^2`` (the spectral norm by power iteration). When the
+    unconstrained solution lies in the box it is returned exactly; more steps converge to the constrained optimum.
+    arXiv 2602.16284 §3.1 (the paper's code: ``nnls_iters=2``, bounds ``e^-3, e^3``).
+
+    Args:
+        M: ``[n, t]`` float32; y: ``[n]`` float32; ``0 <= low <= high``; iters: ``>= 0`` steps.
+
+    Returns:
+        ``[t]`` float32 in ``[low, high]``. No errors beyond torch's for mismatched shapes.
+    """
+    w = least_squares(M, y[:, None])[:, 0].clamp(low, high)
+    if iters <= 0 or M.shape[1] == 0:
+        return w
+    u = torch.ones(M.shape[1], dtype=M.dtype, device=M.device)
+    for _ in range(8):  # power iteration on M^T M from a fixed start: deterministic
+        u = M.T @ (M @ u)
+        norm = u.norm()
+        if norm == 0:
+            return w
+        u = u / norm
+    lipschitz = float((M @ u).pow(2).sum()) or 1.0
+    for _ in range(iters):
+        w = (w - (M.T @ (M @ w - y)) / lipschitz).clamp(low, high)
+    return w
+
+
+def least_squares(X: torch.Tensor, Y: torch.Tensor, fallback: torch.Tensor | None = None) -> torch.Tensor:
+    """``argmin_C ||X C - Y||^2`` in float32: the normal equations ``X^T X C = X^T Y`` by Cholesky when ``n >= t``
+    (one ``[t, n] x [n, t]`` product: 2-3x faster than QR on CPU, measured in BENCHMARKS.md), else the
+    minimum-norm solution ``X^T (X X^T)^-1 Y``.
+
+    If that fails (a matrix that is not numerically positive definite, a non-finite result, or a residual above
+    that of ``fallback``, a feasible point such as the copied values), the ridge-regularised normal equations
+    ``(X^T X + lambda I) C = X^T Y`` are solved with ``lambda = RIDGE x mean(diag(X^T X))``. arXiv 2602.16284
+    §3.2 (the paper's code offers ``lstsq``, ``cholesky`` and ``pinv`` solvers, with a 1e-6 ridge fallback).
+
+    Args:
+        X: ``[n, t]`` float32; Y: ``[n, k]`` float32; fallback: optional ``[t, k]``.
+
+    Returns:
+        ``[t, k]`` float32.
+    """
+    n, t = X.shape
+    if t == 0:
+        return X.new_zeros(0, Y.shape[1])
+    try:
+        if n >= t:
+            C = torch.cholesky_solve(X.T @ Y, torch.linalg.cholesky(X.T @ X))
+        else:  # minimum-norm solution of the underdetermined system
+            C = X.T @ torch.cholesky_solve(Y, torch.linalg.cholesky(X @ X.T))
+        ok = bool(torch.isfinite(C).all())
+        if ok and fallback is not None:
+            ok = float((X @ C - Y).pow(2).sum()) <= float((X @ fallback - Y).pow(2).sum()) * (1 + 1e-4) + 1e-12
+    except RuntimeError:  # torch.linalg errors (singular systems) are RuntimeErrors
+        ok = False
+    if ok:
+        return C
+    gram = X.T @ X
+    lam = RIDGE * float(gram.diagonal().mean().clamp_min(1e-30))
+    gram.diagonal().add_(lam)
+    return torch.cholesky_solve(X.T @ Y, torch.linalg.cholesky(gram))
+
+
+class HeadFit:
+    """The compacted context of one KV head: ``beta`` ``[t]`` float32 and ``values`` ``[t, dv]`` float32 for the
+    kept entries (in the order of ``kept``), plus ``mass_error``: the relative error of the fitted mass on the
+    fit queries, ``mean |M w - y| / y``."""
+
+    def __init__(self, beta: torch.Tensor, values: torch.Tensor, mass_error: float):
+        self.beta, self.values, self.mass_error = beta, values, mass_error
+
+
+def fit_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, kept: torch.Tensor, scaling: float,
+             fit_values: bool = True, beta_range: tuple[float, float] = BETA_RANGE, iters: int = NNLS_ITERS
+             ) -> HeadFit:
+    """Fit beta (mass matching) and, if ``fit_values``, the values of one head's kept entries (module docstring).
+
+    Args:
+        keys: ``[T, d]`` float32 context keys (post-RoPE; the sink left out); values: ``[T, dv]`` float32.
+        queries: ``[n, d]`` float32 reference queries (post q-norm and RoPE), ``n >= 1``.
+        kept: ``[t]`` int64 indices into the ``T`` keys, increasing.
+        scaling: the model's attention scaling (``1 / sqrt(d)`` unless the model says otherwise).
+        fit_values: least-squares values; else the kept values are copied.
+        beta_range: bounds of beta; iters: projected-gradient steps of ``nnls_box``.
+
+    Returns:
+        ``HeadFit`` (``t = 0``: empty tensors).
+    """
+    t = kept.shape[0]
+    if t == 0:
+        return HeadFit(keys.new_zeros(0), values.new_zeros(0, values.shape[1]), 0.0)
+    logits = (queries @ keys.T) * scaling  # [n, T]
+    E = (logits - logits.amax(dim=1, keepdim=True)).exp_()
+    y = E.sum(dim=1)  # [n], >= 1
+    M = E[:, kept]  # [n, t]
+    w = nnls_box(M, y, math.exp(beta_range[0]), math.exp(beta_range[1]), iters)
+    mass = M @ w
+    mass_error = float(((mass - y).abs() / y).mean())
+    copied = values[kept]
+    if not fit_values:
+        return HeadFit(w.log(), copied.clone(), mass_error)
+    target = (E @ values) / y[:, None]  # [n, dv]
+    X = (M * w) / mass[:, None]  # [n, t]
+    return HeadFit(w.log(), least_squares(X, target, fallback=copied), mass_error)
+
+
+def attention_output(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``softmax(scaling Q K^T + bias) V``: ``[n, dv]`` float32 (``queries`` ``[n, d]``, ``keys`` ``[T, d]``,
+    ``values`` ``[T, dv]``, ``bias`` ``[T]`` or ``None``)."""
+    logits = (queries.float() @ keys.float().T) * scaling
+    if bias is not None:
+        logits = logits + bias.float()
+    return logits.softmax(dim=-1) @ values.float()
+
+
+def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """Mean over rows of ``||approx - reference|| / ||reference||`` (``[n, dv]`` each; rows with a zero reference
+    count their absolute error)."""
+    diff = (approx.float() - reference.float()).norm(dim=-1)
+    return float((diff / reference.float().norm(dim=-1).clamp_min(1e-12)).mean())

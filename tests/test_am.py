@@ -1,0 +1,271 @@
+"""Attention Matching (``--method am``, arXiv 2602.16284): the solvers against closed forms, the fit against
+KVzip's selection on held-out queries, ``values="copy"`` against KVzip's entries, per-entry biases on every
+attention path and through save -> load -> generate, and the reference-query reservoir."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+import kvpack
+from kvpack.attention import logit_mask, masked_attention
+from kvpack.errors import CorruptFileError, InputError
+from kvpack import fileformat
+from kvpack.fileformat import load_pack, pack_to_bytes
+from kvpack.generation import question_input_ids
+from kvpack.methods import get_method
+from kvpack.methods.am import QueryReservoir
+from kvpack.methods.am_fit import attention_output, fit_head, least_squares, nnls_box
+
+from .tiny import ARCHITECTURES, TEXT, tiny_model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# solvers
+
+
+def test_nnls_orthogonal_columns_is_the_clamped_projection():
+    """Orthogonal columns decouple the problem: w_j = clamp(m_j . y / ||m_j||^2, low, high) exactly."""
+    M = torch.zeros(6, 3)
+    M[0, 0], M[1, 0] = 1.0, 1.0          # ||m_0||^2 = 2
+    M[2, 1] = 3.0                        # ||m_1||^2 = 9
+    M[3, 2], M[4, 2], M[5, 2] = 1.0, 2.0, 2.0  # ||m_2||^2 = 9
+    y = torch.tensor([1.0, 3.0, 0.3, 1.0, 1.0, 1.0])  # projections: 2.0, 0.1, 5/9
+    w = nnls_box(M, y, 0.2, 1.5, iters=10)
+    torch.testing.assert_close(w, torch.tensor([1.5, 0.2, 5 / 9]))
+
+
+def test_nnls_returns_the_least_squares_solution_inside_the_box():
+    gen = torch.Generator().manual_seed(0)
+    M = torch.rand(40, 5, generator=gen)
+    w_true = torch.tensor([0.5, 1.0, 2.0, 0.7, 1.3])
+    w = nnls_box(M, M @ w_true, math.exp(-3), math.exp(3), iters=2)
+    torch.testing.assert_close(w, w_true, atol=1e-4, rtol=1e-4)
+
+
+def test_nnls_projected_gradient_reaches_the_constrained_optimum():
+    """M = [[1, 1], [0, 1]] (not orthogonal), y = [1, -1]: the free solution (2, -1) clamps to (2, 0), but the
+    constrained optimum is w = (1, 0) (KKT: with w_1 = 0 at its bound, w_0 = m_0 . y / ||m_0||^2 = 1, and the
+    gradient of w_1, m_1 . (M w - y) = 0 + 1 = 1 > 0). Two steps do not get there; many do."""
+    M = torch.tensor([[1.0, 1.0], [0.0, 1.0]])
+    y = torch.tensor([1.0, -1.0])
+    assert not torch.allclose(nnls_box(M, y, 0.0, 10.0, iters=0), torch.tensor([1.0, 0.0]))
+    torch.testing.assert_close(nnls_box(M, y, 0.0, 10.0, iters=500), torch.tensor([1.0, 0.0]), atol=1e-5, rtol=0)
+
+
+def test_least_squares_matches_the_normal_equations():
+    gen = torch.Generator().manual_seed(1)
+    X, Y = torch.randn(30, 6, generator=gen), torch.randn(30, 4, generator=gen)
+    closed = torch.linalg.solve((X.T @ X).double(), (X.T @ Y).double()).float()
+    torch.testing.assert_close(least_squares(X, Y), closed, atol=1e-5, rtol=1e-5)
+
+
+def test_least_squares_singular_falls_back_to_ridge():
+    """A zero column makes QR divide by zero; the ridge fallback gives it weight 0 and the others their exact
+    values (Y = 3 x + 1), and two equal columns still give a finite, optimal fit."""
+    x = torch.arange(1.0, 9.0)[:, None]
+    Y = 3 * x + 1
+    C = least_squares(torch.cat([x, torch.zeros(8, 1), torch.ones(8, 1)], dim=1), Y, fallback=torch.zeros(3, 1))
+    torch.testing.assert_close(C, torch.tensor([[3.0], [0.0], [1.0]]), atol=1e-3, rtol=0)
+    X = torch.cat([x, x, torch.ones(8, 1)], dim=1)
+    C = least_squares(X, Y, fallback=torch.zeros(3, 1))
+    assert torch.isfinite(C).all()
+    torch.testing.assert_close(X @ C, Y, atol=1e-3, rtol=1e-4)
+
+
+def test_fit_of_every_key_is_exact():
+    """Keeping every key: beta = 0 (w = 1 solves the mass exactly) and the least-squares values are V itself."""
+    gen = torch.Generator().manual_seed(2)
+    K, V, Q = torch.randn(12, 8, generator=gen), torch.randn(12, 5, generator=gen), torch.randn(200, 8, generator=gen)
+    fit = fit_head(K, V, Q, torch.arange(12), 8 ** -0.5)
+    torch.testing.assert_close(fit.beta, torch.zeros(12), atol=1e-4, rtol=0)
+    torch.testing.assert_close(fit.values, V, atol=1e-3, rtol=1e-3)
+    assert fit.mass_error < 1e-5
+
+
+def test_fitted_head_beats_the_selection_on_held_out_queries():
+    """A random head, half its keys kept: the fitted head's output on unseen queries is closer to the full head's
+    than the kept subset's alone (beta = 0, values copied), and mass matching alone helps too."""
+    gen = torch.Generator().manual_seed(3)
+    K, V = torch.randn(64, 16, generator=gen), torch.randn(64, 16, generator=gen)
+    Q, held = torch.randn(2000, 16, generator=gen), torch.randn(300, 16, generator=gen)
+    kept = torch.arange(0, 64, 2)
+    scale = 16 ** -0.5
+    full = attention_output(held, K, V, scale)
+
+    def err(out):
+        return float(((out - full).norm(dim=-1) / full.norm(dim=-1)).mean())
+
+    selection = err(attention_output(held, K[kept], V[kept], scale))
+    fit = fit_head(K, V, Q, kept, scale)
+    fitted = err(attention_output(held, K[kept], fit.values, scale, fit.beta))
+    assert fitted < 0.5 * selection
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the method on tiny models
+
+
+def _build(arch, **options):
+    model, tok = tiny_model(arch)
+    return model, tok, kvpack.compress(model, tok, TEXT, method="am", ratio=0.3, chunk_size=40, **options)
+
+
+def test_values_copy_keeps_exactly_kvzips_entries():
+    model, tok, am = _build("llama", values="copy")
+    kvzip = kvpack.compress(model, tok, TEXT, method="kvzip", ratio=0.3, chunk_size=40)
+    assert am.metadata["stats"]["layer_budgets"] == kvzip.metadata["stats"]["layer_budgets"]
+    for a, b in zip(am.layers, kvzip.layers):
+        for part in ("keys", "values", "positions", "head_lengths"):
+            assert torch.equal(getattr(a, part), getattr(b, part)), part
+    assert any(bool((layer.biases != 0).any()) for layer in am.layers if layer.biases is not None)
+    # with beta = 0 the loaded cache is KVzip's: the same logits
+    zeroed = copy.deepcopy(am)
+    for layer in zeroed.layers:
+        layer.biases = None if layer.biases is None else torch.zeros_like(layer.biases)
+    ids = question_input_ids(tok, kvpack.KvpackCache.from_pack(kvzip), "Who?")[0, kvzip.original_tokens:]
+    logits = [model(input_ids=ids[None], past_key_values=kvpack.KvpackCache.from_pack(p), use_cache=True).logits
+              for p in (zeroed, kvzip, am)]
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
+    assert (logits[2] - logits[1]).abs().max() > 1e-3  # the biases are used
+
+
+def test_fit_beats_selection_on_held_out_queries_of_a_real_model():
+    _, _, pack = _build("llama", held_out_check=False)
+    fit = pack.metadata["stats"]["fit"]
+    assert fit["held_out"] > 0 and fit["heads_unfitted"] == 0
+    for fitted, selected in zip(fit["relative_error"], fit["selection_error"]):
+        assert fitted < 0.5 * selected
+
+
+def test_merge_values_changes_values_only():
+    model, tok, merged = _build("llama", values="merge")
+    _, _, copied = _build("llama", values="copy")
+    for a, b in zip(merged.layers, copied.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.positions, b.positions)
+    assert any(not torch.equal(a.values, b.values) for a, b in zip(merged.layers, copied.layers))
+
+
+def test_sink_stays_exact():
+    model, tok, pack = _build("qwen3")
+    from kvpack.model import model_spec
+
+    spec = model_spec(model)
+    kvzip = kvpack.compress(model, tok, TEXT, method="kvzip", ratio=0.3, chunk_size=40)
+    for l in spec.compressed_layers:
+        a, b = pack.layers[l], kvzip.layers[l]
+        for h in range(pack.kv_heads):
+            rows = slice(int(a.head_offsets()[h]), int(a.head_offsets()[h]) + pack.sink_tokens)
+            assert torch.equal(a.values[rows], b.values[rows])
+            assert torch.equal(a.biases[rows], torch.zeros(pack.sink_tokens))
+
+
+def test_bad_options_are_input_errors():
+    for bad in (dict(values="lsq"), dict(selection="mean"), dict(queries=3), dict(on_policy="yes")):
+        with pytest.raises(InputError):
+            get_method("am", **bad)
+
+
+def test_reservoir_pools_the_gqa_group_and_is_deterministic():
+    q = torch.arange(4 * 3 * 2, dtype=torch.float32).view(4, 3, 2)  # [heads=4, q=3, d=2], 2 KV heads
+    r = QueryReservoir(kv_heads=2, cap=100)
+    r.append((q, 0.5))
+    pooled = torch.cat(r.parts, dim=1)
+    torch.testing.assert_close(pooled[1], q[2:].reshape(6, 2))  # query heads 2, 3 serve KV head 1
+    a, b = QueryReservoir(2, 5), QueryReservoir(2, 5)
+    for res in (a, b):
+        res.append((torch.randn(4, 50, 2, generator=torch.Generator().manual_seed(9)), 0.5))
+    assert torch.equal(a.split()[0], b.split()[0]) and a.split()[0].shape[1] <= 5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# biases on the attention paths, in the file, and through generate
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_masked_attention_adds_the_bias(dtype, q_len):
+    """Both CPU paths (SDPA with a float mask; the explicit scored path) equal an explicit softmax with the bias."""
+    gen = torch.Generator().manual_seed(4)
+    kv_heads, group, kv, d = 2, 2, 7, 8
+    q = torch.randn(1, kv_heads * group, q_len, d, generator=gen)
+    k, v = torch.randn(1, kv_heads, kv, d, generator=gen), torch.randn(1, kv_heads, kv, d, generator=gen)
+    visible = torch.rand(kv_heads, q_len, kv, generator=gen) > 0.3
+    visible[:, :, -1] = True
+    bias = torch.randn(kv_heads, kv, generator=gen) * 2
+    ref = torch.empty(1, q_len, kv_heads * group, d)
+    for j in range(kv_heads * group):
+        h = j // group
+        logits = q[0, j] @ k[0, h].T * 0.4 + bias[h]
+        ref[0, :, j] = logits.masked_fill(~visible[h], float("-inf")).softmax(-1) @ v[0, h]
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=4e-2, rtol=4e-2)
+    out = masked_attention(q.to(dtype), k.to(dtype), v.to(dtype), visible, 0.4, bias=bias)
+    torch.testing.assert_close(out.float(), ref, **tol)
+    scores = torch.zeros(kv_heads, kv)
+    out = masked_attention(q.to(dtype), k.to(dtype), v.to(dtype), visible, 0.4, scores=scores, bias=bias)
+    torch.testing.assert_close(out.float(), ref, **tol)
+    assert logit_mask(visible, bias, torch.float32)[~visible].eq(float("-inf")).all()
+
+
+def test_file_round_trip_and_hostile_biases(monkeypatch):
+    _, _, pack = _build("llama")
+    data = pack_to_bytes(pack)
+    back = load_pack(data)
+    for a, b in zip(pack.layers, back.layers):
+        assert torch.equal(a.biases, b.biases)
+    plain = copy.deepcopy(pack)
+    for layer in plain.layers:
+        layer.biases = None
+    assert all(layer.biases is None for layer in load_pack(pack_to_bytes(plain)).layers)
+    bad = copy.deepcopy(pack)
+    bad.layers[0].biases = bad.layers[0].biases[:-1]
+    with pytest.raises(InputError, match="biases"):
+        pack_to_bytes(bad)
+    bad.layers[0].biases = torch.full_like(pack.layers[0].biases, float("nan"))
+    with pytest.raises(InputError, match="biases"):
+        pack_to_bytes(bad)
+    # hostile files (written past the writer's own checks): a biases tensor one value short, or not finite
+    monkeypatch.setattr(fileformat, "pack_problem", lambda p: None)
+    bad.layers[0].biases = pack.layers[0].biases[:-1]
+    with pytest.raises(CorruptFileError, match="attn_bias.*one per entry"):
+        load_pack(pack_to_bytes(bad))
+    bad.layers[0].biases = torch.full_like(pack.layers[0].biases, float("inf"))
+    with pytest.raises(CorruptFileError, match="biases"):
+        load_pack(pack_to_bytes(bad))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_save_load_generate_with_biases(arch, dtype, tmp_path):
+    model, tok = tiny_model(arch)
+    if dtype != torch.float32:
+        model = copy.deepcopy(model).to(dtype)
+    pack = kvpack.compress(model, tok, TEXT, method="am", ratio=0.3, chunk_size=40)
+    path = tmp_path / "am.kvpack"
+    kvpack.save(pack, path)
+    cache = kvpack.load(path, model, tokenizer=tok)
+    assert any(layer.biases is not None and bool((layer.biases != 0).any()) for layer in cache.layers)
+    answer = kvpack.generate(model, tok, cache, "What is the secret code of Alice?", max_new_tokens=4)
+    assert isinstance(answer, str)
+    # plain model.generate with the cache, then the same again after rewind: identical tokens
+    ids = question_input_ids(tok, cache, "Who?")
+    outs = []
+    for _ in range(2):
+        outs.append(model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)[0].tolist())
+        cache.rewind()
+    assert outs[0] == outs[1] and len(outs[0]) > ids.shape[1]
+
+
+def test_bench_method_specs():
+    from kvpack.bench.grid import expand_grid, parse_method_spec
+
+    assert parse_method_spec("am:values=copy:queries=64:on_policy=true") == (
+        "am", {"values": "copy", "queries": 64, "on_policy": True})
+    assert parse_method_spec("kvzip") == ("kvzip", {})
+    for bad in ("am:values", "am:values=lsq", "nope:x=1", "kvzip:values=copy"):
+        with pytest.raises(InputError):
+            parse_method_spec(bad)
+    assert [v.label for v in expand_grid(["am:values=merge"], [0.1], ["none"])] == ["none@1", "am:values=merge@0.1"]

@@ -1,0 +1,98 @@
+"""Attention Matching against KVzip from one prefill and one scoring pass per context (continuation ΔNLL and
+multi-query accuracy at several keep ratios, with the ``--values`` ablation).
+
+AM's selection is KVzip's global top-k and its scores are KVzip's (``tests/test_am.py`` checks that
+``values="copy"`` holds exactly KVzip's entries), so one ``AttentionMatching.score`` (KVzip's repeat pass, which
+also records the reference queries) serves KVzip and every AM variant; each pack is then what
+``kvpack.compress`` returns for it. Packs are laid out with ``KvpackCache.from_pack`` (no file round trip, which
+``tests/test_am.py`` covers) to save time on a loaded machine. Contexts and targets are the bench's own
+(``kvpack.bench.continuation``, ``kvpack.bench.multiquery``, same seeds).
+
+    python tools/bench_am.py --cont-docs 2 --cont-length 1024 --mq-contexts 1 --mq-length 1024 --mq-facts 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kvpack  # noqa: E402
+from kvpack import tasks  # noqa: E402
+from kvpack.bench.continuation import _cache_logprobs, _nll, continuation_docs, full_cache_logprobs  # noqa: E402
+from kvpack.bench.multiquery import multiquery_contexts  # noqa: E402
+from kvpack.cache import KvpackCache  # noqa: E402
+from kvpack.compress import assemble_pack  # noqa: E402
+from kvpack.layout import chat_layout  # noqa: E402
+from kvpack.methods import get_method  # noqa: E402
+from kvpack.model import model_spec  # noqa: E402
+from kvpack.prefill import prefill  # noqa: E402
+
+VARIANTS = ("kvzip", "am", "am:values=copy", "am:values=merge")
+
+
+def packs_for(model, tok, text: str, ratios: list[float], queries: int) -> dict[tuple[str, float], object]:
+    """``{(variant, ratio): Pack}`` from one prefill and one AM scoring pass."""
+    spec, layout = model_spec(model), chat_layout(tok)
+    prefix = layout.prefix_ids(tok)
+    full = prefill(model, prefix + layout.encode(tok, text), len(prefix), layout, spec, 2048)
+    scorer = get_method("am", queries=queries)
+    scores = scorer.score(model, tok, full)
+    kvzip = get_method("kvzip")
+    out = {}
+    for r in ratios:
+        keep = scorer.select(scores, r, full)
+        out[("kvzip", r)] = assemble_pack(model, tok, text, kvzip, r, full, keep, "<bench>")
+        for name in VARIANTS[1:]:
+            values = name.split("=")[1] if "=" in name else "fit"
+            m = get_method("am", queries=queries, values=values)
+            m._spec, m._reservoirs = scorer._spec, scorer._reservoirs
+            out[(name, r)] = assemble_pack(model, tok, text, m, r, full, keep, "<bench>")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ratios", default="0.3,0.2,0.1,0.05,0.02")
+    ap.add_argument("--cont-docs", type=int, default=2)
+    ap.add_argument("--cont-length", type=int, default=1024)
+    ap.add_argument("--mq-contexts", type=int, default=1)
+    ap.add_argument("--mq-length", type=int, default=1024)
+    ap.add_argument("--mq-facts", type=int, default=4)
+    ap.add_argument("--queries", type=int, default=4096)
+    ap.add_argument("--out", default="runs/bench_am.json")
+    args = ap.parse_args()
+    ratios = [float(r) for r in args.ratios.split(",")]
+    model, tok = kvpack.load_model(None)
+    results = {"command": " ".join(sys.argv), "continuation": [], "multiquery": []}
+    t0 = time.perf_counter()
+    for doc in continuation_docs(tok, args.cont_length, args.cont_docs):
+        ref = full_cache_logprobs(model, tok, doc)
+        ref_nll = _nll(ref, doc.target_ids)
+        for (name, r), pack in packs_for(model, tok, doc.text, ratios, args.queries).items():
+            lp = _cache_logprobs(model, KvpackCache.from_pack(pack), doc.target_ids)
+            row = {"doc": doc.key, "variant": name, "ratio": r, "delta_nll": _nll(lp, doc.target_ids) - ref_nll,
+                   "fit": pack.metadata["stats"].get("fit")}
+            results["continuation"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "fit"}), flush=True)
+    for ctx in multiquery_contexts(tok, args.mq_length, args.mq_facts, args.mq_contexts):
+        for (name, r), pack in packs_for(model, tok, ctx.text, ratios, args.queries).items():
+            cache = KvpackCache.from_pack(pack)
+            correct = sum(tasks.answer_matches(kvpack.generate(model, tok, cache, q, max_new_tokens=32), f)
+                          for f, q in zip(ctx.facts, ctx.questions))
+            row = {"context": ctx.key, "variant": name, "ratio": r, "correct": correct, "asked": len(ctx.facts)}
+            results["multiquery"].append(row)
+            print(json.dumps(row), flush=True)
+    results["seconds"] = time.perf_counter() - t0
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
