@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import fields
 from typing import Any, Iterator
 
 from . import errors as _errors
@@ -34,9 +35,8 @@ __all__ = ["RAY_INSTALL", "run_build_with_ray"]
 
 #: How to get Ray Data, named in the error ``--ray`` raises without it.
 RAY_INSTALL = "pip install 'kvpack[ray]'"
-_CONTEXT_FIELDS = ("name", "text", "source", "file", "id", "line", "part", "parts", "error")
-_RESULT_FIELDS = ("name", "path", "tokens", "entries_kept", "bytes_written", "seconds", "status", "error", "source",
-                  "id", "line", "part", "parts")
+_CONTEXT_FIELDS = tuple(f.name for f in fields(Context))  # what goes to an actor, as JSON
+_RESULT_FIELDS = tuple(f.name for f in fields(BuildResult))  # what comes back
 
 
 def _import_ray():
