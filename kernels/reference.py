@@ -14,6 +14,8 @@ Layout (one layer, batch 1, one new query token; see kernels/README.md):
   q_offsets    [Hkv+1] int       KV head h owns int4 rows q_offsets[h]:q_offsets[h+1] (multiples of G)
   tail_keys    [Hkv, T, D]       dense tail (new tokens; the current token is the last row), T >= 0
   tail_values  [Hkv, T, Dv]
+  fp_biases    [Nfp] fp32        optional additive logit bias of each fp row (Attention Matching's beta; None = 0)
+  q_biases     [Q] fp32          optional bias of each int4 row; the tail has none
 Dequantized x_hat = code * scale + min. A head with no visible entry outputs zeros.
 """
 
@@ -79,8 +81,9 @@ def quantize_int4_values(values: torch.Tensor, group_size: int):
 def varlen_decode_reference(q, fp_keys, fp_values, fp_offsets, tail_keys, tail_values, scale,
                             key_codes=None, key_scales=None, key_mins=None,
                             value_codes=None, value_scales=None, value_mins=None,
-                            q_offsets=None, group_size=None) -> torch.Tensor:
-    """softmax(q . k * scale) @ v per head over [fp rows | int4 rows | tail], in float32. -> [H, Dv] in q.dtype."""
+                            q_offsets=None, group_size=None, fp_biases=None, q_biases=None) -> torch.Tensor:
+    """softmax(q . k * scale + beta) @ v per head over [fp rows | int4 rows | tail], in float32 (beta: the rows'
+    biases, 0 for the tail). -> [H, Dv] in q.dtype."""
     hkv = fp_offsets.numel() - 1
     h, dv = q.shape[0], fp_values.shape[1]
     g = h // hkv
@@ -94,15 +97,25 @@ def varlen_decode_reference(q, fp_keys, fp_values, fp_offsets, tail_keys, tail_v
     for kv in range(hkv):
         ks = [fp_keys[fo[kv]:fo[kv + 1]].float()]
         vs = [fp_values[fo[kv]:fo[kv + 1]].float()]
+        bs = [_bias(fp_biases, fo[kv], fo[kv + 1], q.device)]
         if quant:
             ks.append(kq[qo[kv]:qo[kv + 1]])
             vs.append(vq[qo[kv]:qo[kv + 1]])
+            bs.append(_bias(q_biases, qo[kv], qo[kv + 1], q.device))
         ks.append(tail_keys[kv].float())
         vs.append(tail_values[kv].float())
-        k, v = torch.cat(ks), torch.cat(vs)  # (N_h, D), (N_h, Dv)
+        bs.append(torch.zeros(tail_keys.shape[1], device=q.device))
+        k, v, b = torch.cat(ks), torch.cat(vs), torch.cat(bs)  # (N_h, D), (N_h, Dv), (N_h,)
         if k.shape[0] == 0:
             continue  # nothing visible: zeros, not NaN
         rows = slice(kv * g, (kv + 1) * g)
-        probs = (q[rows].float() @ k.T * scale).softmax(dim=-1)  # (g, N_h)
+        probs = (q[rows].float() @ k.T * scale + b).softmax(dim=-1)  # (g, N_h)
         out[rows] = probs @ v
     return out.to(q.dtype)
+
+
+def _bias(bias, start, stop, device):
+    """Rows ``start:stop`` of an optional ``[N]`` bias as float32 (zeros when ``bias`` is None)."""
+    if bias is None:
+        return torch.zeros(stop - start, device=device)
+    return bias[start:stop].float()

@@ -60,6 +60,7 @@ def _varlen_decode_kernel(
     Q, stride_q,                                   # (H, D)
     FK, stride_fk, FV, stride_fv, FP_OFF,          # (Nfp, D), (Nfp, Dv), (Hkv+1,)
     KC, KS, KM, VC, VS, VM, Q_OFF,                 # (Q, D/2), (Q/G, D) x2, (Q, Dv/2), (Q, Dv/Gv) x2, (Hkv+1,)
+    FB, QB,                                        # (Nfp,), (Q,) fp32 logit biases when HAS_BIAS
     TK, stride_tkh, stride_tkt, TV, stride_tvh, stride_tvt, T,   # (Hkv, T, D), (Hkv, T, Dv)
     O, stride_o,                                   # (H, Dv) output, written when not SPLIT
     PM, PL, PACC,                                  # (H, S), (H, S), (H, S, Dv) fp32 partials when SPLIT
@@ -69,6 +70,7 @@ def _varlen_decode_kernel(
     BLOCK_N: tl.constexpr, BLOCK_NQ: tl.constexpr, GROUP_Q: tl.constexpr, GROUP_V: tl.constexpr,
     NGV_P2: tl.constexpr,
     QUANT: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     h = tl.program_id(0)       # KV head
     s = tl.program_id(1)       # split: takes this head's blocks s, s + S, s + 2S, ... of [fp | int4 | tail]
@@ -99,6 +101,8 @@ def _varlen_decode_kernel(
         k = tl.load(FK + rows[:, None] * stride_fk + offs_d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)         # (BN, BLOCK_D)
         qk = _dot(q, tl.trans(k), DOT_PREC, UPCAST) * qk_scale
+        if HAS_BIAS:   # beta in base 2, like the logits
+            qk += tl.load(FB + rows, mask=n_mask, other=0.0)[None, :] * 1.4426950408889634
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         v = tl.load(FV + rows[:, None] * stride_fv + offs_v[None, :],
                     mask=n_mask[:, None] & v_mask[None, :], other=0.0)         # (BN, BLOCK_DV)
@@ -128,6 +132,8 @@ def _varlen_decode_kernel(
             # q . (code * s + m) = (q * s) . code + q . m
             qk = _dot((qf * ks[None, :]).to(dt), tl.trans(codes), DOT_PREC, UPCAST)
             qk = (qk + tl.sum(qf * km[None, :], 1)[:, None]) * qk_scale
+            if HAS_BIAS:
+                qk += tl.load(QB + rows)[None, :] * 1.4426950408889634
             vc = tl.load(VC + rows[:, None] * (DV // 2) + offs_cv[None, :], mask=cv_mask[None, :], other=0)
             sp = rows[:, None] * (DV // GROUP_V) + offs_sg[None, :]
             vs = tl.load(VS + sp, mask=sg_mask[None, :], other=0.0).to(tl.float32)   # (BN, NGV_P2)
@@ -200,6 +206,15 @@ def _default_splits(q, hkv, rows_per_head, block_n):
     return max(1, min(blocks, triton.cdiv(target, hkv)))
 
 
+def _bias_or_zeros(bias, rows, name, device):
+    """``bias`` checked to be ``[rows]`` float32 contiguous, or zeros when ``None``."""
+    if bias is None:
+        return torch.zeros(rows, dtype=torch.float32, device=device)
+    if tuple(bias.shape) != (rows,) or bias.dtype != torch.float32 or not bias.is_contiguous():
+        raise ValueError(f"{name}: expected contiguous ({rows},) float32, got {tuple(bias.shape)} {bias.dtype}")
+    return bias
+
+
 def _check_offsets(name, off, hkv, n, multiple=1):
     o = off.tolist()
     if len(o) != hkv + 1 or o[0] < 0 or o[-1] > n or any(b < a for a, b in zip(o, o[1:])):
@@ -211,9 +226,12 @@ def _check_offsets(name, off, hkv, n, multiple=1):
 def varlen_decode_triton(q, fp_keys, fp_values, fp_offsets, tail_keys, tail_values, scale,
                          key_codes=None, key_scales=None, key_mins=None,
                          value_codes=None, value_scales=None, value_mins=None,
-                         q_offsets=None, group_size=None, *,
+                         q_offsets=None, group_size=None, *, fp_biases=None, q_biases=None,
                          num_splits=None, block_n=64, num_warps=None, num_stages=3, validate=True):
     """One decode step; arguments as in kernels.reference.varlen_decode_reference. -> [H, Dv] in q.dtype.
+
+    fp_biases [Nfp] / q_biases [Q] (float32, contiguous; either may be None = zeros) are added to the logits of
+    the fp / int4 rows (Attention Matching's beta); the tail has none.
 
     The int4 segment is present when key_codes is given (then every key_/value_ tensor, q_offsets and
     group_size are required). num_splits=None picks about two waves of programs on a GPU (1 on CPU);
@@ -261,6 +279,10 @@ def varlen_decode_triton(q, fp_keys, fp_values, fp_offsets, tail_keys, tail_valu
                                  f"got {tuple(t.shape)} {t.dtype}")
         if nq % G:
             raise ValueError(f"{nq} int4 rows are not a multiple of the group size {G}")
+    has_bias = fp_biases is not None or q_biases is not None
+    if has_bias:
+        fp_biases = _bias_or_zeros(fp_biases, fp_keys.shape[0], "fp_biases", q.device)
+        q_biases = _bias_or_zeros(q_biases, key_codes.shape[0] if quant else 0, "q_biases", q.device)
     if validate:
         _check_offsets("fp_offsets", fp_offsets, hkv, fp_keys.shape[0])
         if quant:
@@ -289,6 +311,7 @@ def varlen_decode_triton(q, fp_keys, fp_values, fp_offsets, tail_keys, tail_valu
         q, q.stride(0),
         fp_keys, fp_keys.stride(0), fp_values, fp_values.stride(0), fp_offsets,
         *qargs,
+        fp_biases if has_bias else fp_keys, q_biases if has_bias and q_biases.numel() else fp_keys,
         tail_keys, tail_keys.stride(0), tail_keys.stride(1),
         tail_values, tail_values.stride(0), tail_values.stride(1), T,
         out, out.stride(0),
@@ -298,7 +321,7 @@ def varlen_decode_triton(q, fp_keys, fp_values, fp_offsets, tail_keys, tail_valu
         BLOCK_G=max(16, np2(g)), BLOCK_D=max(32, np2(D)), BLOCK_DV=max(32, block_dv),
         BLOCK_N=block_n, BLOCK_NQ=min(block_n, G), GROUP_Q=G, GROUP_V=gv, NGV_P2=ngv_p2,
         QUANT=quant, SPLIT=split, DOT_PREC="ieee" if dt == torch.float32 else "tf32",
-        UPCAST=dt == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        UPCAST=dt == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1", HAS_BIAS=has_bias,
         num_warps=num_warps or (8 if quant else 4), num_stages=num_stages,
     )
     if split:

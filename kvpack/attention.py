@@ -1,17 +1,16 @@
 """kvpack's attention function, registered with transformers' ``AttentionInterface`` as ``"kvpack"``.
 
-A ``PackedLayer`` (see ``kvpack.cache``) returns keys that carry a reference to the layer; for those keys this
-function builds each KV head's visibility from the entries' original RoPE positions:
-
-    visible[h, i, j] = pos[h, j] >= 0  and  pos[h, j] <= qpos[i]  (and qpos[i] - pos[h, j] < window when sliding)
-
-(``pos = -1`` marks padding of shorter heads), so every head attends only to its kept entries plus the new tokens.
-For any other keys it is exactly transformers' SDPA attention, so a model switched to ``"kvpack"`` behaves as
-before with ordinary caches.
+A ``PackedLayer`` (see ``kvpack.cache``) returns its tail's keys tagged with a reference to the layer; for those
+keys this function attends every KV head over its own packed kept entries (with their attention-logit biases)
+plus the tail (``kvpack.varlen.packed_attention``). For any other keys it is exactly transformers' SDPA
+attention, so a model switched to ``"kvpack"`` behaves as before with ordinary caches.
 
 While KVzip scores (arXiv 2505.23416 §3.2, Eq. 2) the layer also carries a score buffer (shape
 ``[kv_heads, kept_entries]``) into which ``max`` over queries and over the query heads of each GQA group of the
-attention probabilities is folded. On CPU, when every head sees all its entries (KVzip's repeat pass), float32
+attention probabilities is folded; the layer's entries are then laid out on one ``[kv_heads, kept + tail]`` grid
+(``PackedLayer.padded``: a view when every head holds the same entries, as in KVzip's prefill views), each head
+masked to its own entries: ``visible[h, i, j] = pos[h, j] >= 0 and pos[h, j] <= qpos[i]`` (and
+``qpos[i] - pos[h, j] < window`` when sliding), ``pos = -1`` marking padding. On CPU, when every head sees all its entries (KVzip's repeat pass), float32
 takes one explicit blocked pass that gives the output and the scores from the same probabilities
 (``kvpack.stats.one_pass_attention``); other CPU cases take the fused flash kernel for the output and each
 query's log-sum-exp, then one blocked product for the probabilities (``update_max_scores``); elsewhere the
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 
 from .errors import UnsupportedModelError
 from .stats import attention_with_column_sums, one_pass_applies, one_pass_attention, visible_mask
+from .varlen import packed_attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "register", "use_kvpack_attention", "masks_unused", "masked_attention",
            "scored_attention_dense", "update_max_scores", "attention_with_lse", "QUERY_BLOCK"]
@@ -284,11 +284,25 @@ def kvpack_attention_forward(module, query, key, value, attention_mask, dropout:
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     window = kwargs.get("sliding_window")
-    if (layer.scores is not None and query.device.type == "cpu" and layer.dense and window is None
-            and layer.tail_length == query.shape[2]):
+    if layer.scores is None:
+        return packed_attention(query, layer, scaling, window), None
+    # KVzip's repeat pass (kvpack.methods.kvzip) over a prefill view: one [kv_heads, kept + tail] grid
+    key, value, positions, _ = layer.padded()
+    if query.device.type == "cpu" and layer.dense and window is None and layer.tail_length == query.shape[2]:
         return scored_attention_dense(query, key, value, layer.kept, scaling, layer.scores), None
-    visible = layer.visibility(query.shape[2], window)
+    visible = _visibility(positions, query.shape[2], window)
     return masked_attention(query, key, value, visible, scaling, scores=layer.scores), None
+
+
+def _visibility(positions: torch.Tensor, q_len: int, sliding_window: int | None) -> torch.Tensor:
+    """``[kv_heads, q_len, kv]`` bool: which entries (``positions`` ``[kv_heads, kv]``, ``-1`` for padding) each of
+    the last ``q_len`` entries may attend to."""
+    kpos = positions[:, None, :]
+    qpos = positions[0, -q_len:][None, :, None]
+    visible = (kpos >= 0) & (kpos <= qpos)
+    if sliding_window is not None:
+        visible &= (qpos - kpos) < sliding_window
+    return visible
 
 
 @contextlib.contextmanager

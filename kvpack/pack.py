@@ -102,6 +102,8 @@ class LayerEntries:
         quant: ``None`` (keys and values hold all ``entries`` rows), or the quantized body rows; then ``keys`` and
             ``values`` hold only the full-precision rows (per head: sink rows, then residual rows), and
             ``dequantized()`` gives back all rows.
+        biases: ``[entries]`` float32 additive attention-logit bias of each entry (Attention Matching's beta), in
+            the row order of ``positions``; ``None`` means zeros. Never quantized.
     """
 
     keys: torch.Tensor
@@ -109,6 +111,7 @@ class LayerEntries:
     positions: torch.Tensor
     head_lengths: torch.Tensor
     quant: QuantizedRows | None = None
+    biases: torch.Tensor | None = None
 
     def head_offsets(self) -> torch.Tensor:
         """``[kv_heads + 1]`` int64 row offsets of each head's entries (exclusive prefix sum of ``head_lengths``)."""
@@ -139,7 +142,8 @@ class LayerEntries:
         if self.quant is None:
             if dtype is None:
                 return self
-            return LayerEntries(self.keys.to(dtype), self.values.to(dtype), self.positions, self.head_lengths)
+            return LayerEntries(self.keys.to(dtype), self.values.to(dtype), self.positions, self.head_lengths,
+                                biases=self.biases)
         from .quant import dequantize_layer
 
         return dequantize_layer(self, dtype)

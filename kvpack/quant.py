@@ -364,7 +364,7 @@ def quantize_layer(entries: LayerEntries, sink_tokens: int, qtype: str, group_si
         vc, vs, vm = quantize_values(entries.values[is_body], qtype, group_size)
         quant = QuantizedRows(qtype, int(group_size), sink, body, kc, ks, km, vc, vs, vm)
     return LayerEntries(entries.keys[~is_body].clone(), entries.values[~is_body].clone(), entries.positions,
-                        entries.head_lengths, quant)
+                        entries.head_lengths, quant, biases=entries.biases)
 
 
 def dequantize_rows(qr: QuantizedRows) -> tuple[torch.Tensor, torch.Tensor]:
@@ -481,7 +481,7 @@ def dequantize_layer(entries: LayerEntries, dtype: torch.dtype | None = None) ->
     n = entries.num_entries
     keys = torch.cat(keys) if keys else torch.empty(n, entries.keys.shape[1], dtype=dt)
     values = torch.cat(values) if values else torch.empty(n, entries.values.shape[1], dtype=dt)
-    return LayerEntries(keys, values, entries.positions, entries.head_lengths)
+    return LayerEntries(keys, values, entries.positions, entries.head_lengths, biases=entries.biases)
 
 
 def _sig(x: float) -> float:

@@ -227,3 +227,78 @@ def test_dispatch_reference_path_and_import_without_triton():
     code = "import sys; sys.modules['triton'] = None; import kernels; assert not kernels.HAS_TRITON; print('ok')"
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr
+
+
+# --- per-entry logit biases (Attention Matching's beta) ---------------------------------------------------------
+
+
+def _with_biases(args, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    args = dict(args)
+    args["fp_biases"] = (torch.randn(args["fp_keys"].shape[0], generator=gen) * 2).to(DEVICE)
+    if "key_codes" in args:
+        args["q_biases"] = (torch.randn(args["key_codes"].shape[0], generator=gen) * 2).to(DEVICE)
+    return args
+
+
+def test_reference_biases_are_added_to_the_logits():
+    """Independent check: softmax(scale q . k + beta) over each head's [fp | int4 | tail] rows, beta 0 in the tail."""
+    args = _with_biases(make_inputs(2, 3, 64, [4, 0], [32, 64], 2, torch.float32))
+    args = {k: v.cpu() if torch.is_tensor(v) else v for k, v in args.items()}
+    out = kernels.varlen_decode_reference(**args)
+    kq = ref.dequantize_int4_keys(args["key_codes"], args["key_scales"], args["key_mins"], 32)
+    vq = ref.dequantize_int4_values(args["value_codes"], args["value_scales"], args["value_mins"], 32)
+    fo, qo = args["fp_offsets"].tolist(), args["q_offsets"].tolist()
+    for j in range(6):
+        h = j // 3
+        k = torch.cat([args["fp_keys"][fo[h]:fo[h + 1]], kq[qo[h]:qo[h + 1]], args["tail_keys"][h]])
+        v = torch.cat([args["fp_values"][fo[h]:fo[h + 1]], vq[qo[h]:qo[h + 1]], args["tail_values"][h]])
+        b = torch.cat([args["fp_biases"][fo[h]:fo[h + 1]], args["q_biases"][qo[h]:qo[h + 1]], torch.zeros(2)])
+        p = torch.softmax(k @ args["q"][j] * args["scale"] + b, 0)
+        torch.testing.assert_close(out[j], p @ v, atol=1e-5, rtol=1e-5)
+    plain = kernels.varlen_decode_reference(**{k: v for k, v in args.items() if not k.endswith("biases")})
+    assert not torch.allclose(out, plain)
+
+
+@requires_kernel
+@pytest.mark.parametrize("quant", [False, True], ids=["fp", "int4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["mixed-g1-d64", "g7-d128-t5-split3"])
+def test_kernel_biases_match_reference(case, dtype, quant):
+    hkv, g, d, gs, t, fp_lens, q_lens, splits = CASES[case]
+    args = _with_biases(make_inputs(hkv, g, d, fp_lens, q_lens, t, dtype, gs, quant))
+    out = kernels.varlen_decode_triton(**args, num_splits=splits)
+    expected = kernels.varlen_decode_reference(**args)
+    assert_close_report(out, expected, *TOLERANCES[dtype], what=f"{case} {dtype} quant={quant} biases")
+
+
+@requires_kernel
+def test_kernel_rejects_bad_biases():
+    args = make_inputs(2, 2, 64, [3, 5], [], 1, torch.float32, quant=False)
+    for bad in (torch.zeros(7), torch.zeros(8, dtype=torch.float16)):
+        with pytest.raises(ValueError, match="fp_biases"):
+            kernels.varlen_decode_triton(**args, fp_biases=bad.to(DEVICE))
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("biased", [True, False])
+def test_cache_decode_through_the_kernel_matches_the_cpu_path(dtype, biased):
+    """The call kvpack's packed cache makes on CUDA (``kvpack.varlen.triton_decode``) against its CPU path."""
+    from kvpack.cache import PackedLayer
+    from kvpack.varlen import _packed_attention_torch, triton_decode
+
+    gen = torch.Generator().manual_seed(4)
+    lengths, d, hkv, g = [40, 0, 3, 77], 64, 4, 3
+    n = sum(lengths)
+    layer = PackedLayer(torch.randn(n, d, generator=gen).to(dtype).to(DEVICE),
+                        torch.randn(n, d, generator=gen).to(dtype).to(DEVICE),
+                        torch.cat([torch.arange(m) for m in lengths]).to(DEVICE), lengths, 100,
+                        biases=(torch.randn(n, generator=gen) * 2).to(DEVICE) if biased else None)
+    layer.update(torch.randn(1, hkv, 3, d, generator=gen).to(dtype).to(DEVICE),
+                 torch.randn(1, hkv, 3, d, generator=gen).to(dtype).to(DEVICE))
+    query = torch.randn(1, hkv * g, 1, d, generator=gen).to(dtype).to(DEVICE)
+    out = triton_decode(query, layer, d ** -0.5, validate=True)
+    expected = _packed_attention_torch(query, layer, d ** -0.5, None)
+    assert out.shape == expected.shape == (1, 1, hkv * g, d)
+    assert_close_report(out[0, 0], expected[0, 0], *TOLERANCES[dtype], what=f"cache decode {dtype}")

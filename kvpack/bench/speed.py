@@ -32,7 +32,20 @@ from ..layout import chat_layout
 from ..loading import load
 from ..model import model_spec
 
-__all__ = ["measure_speed", "measure_memory", "linear_growth", "timed", "plain_prefill", "causal_attention_alone"]
+__all__ = ["needle_context_ids", "measure_speed", "measure_memory", "linear_growth", "timed", "plain_prefill", "causal_attention_alone"]
+
+
+def needle_context_ids(tokenizer, tokens: int, device) -> tuple[str, torch.Tensor]:
+    """A needle haystack of about ``tokens`` tokens (one random fact at 50% depth, seed 0; ``kvpack.tasks``) and
+    its cached sequence's ids ``[1, prefix + context tokens]`` on ``device``: the benchmarks' context."""
+    import random
+
+    from .. import tasks
+
+    rng = random.Random(0)
+    layout = chat_layout(tokenizer)
+    text = tasks.needle_context(tokenizer, tokens, [tasks.random_fact(rng)], [0.5], rng)
+    return text, torch.tensor([layout.prefix_ids(tokenizer) + layout.encode(tokenizer, text)], device=device)
 
 
 def timed(fn):
