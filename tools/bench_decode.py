@@ -9,6 +9,8 @@ One layer of an 8B-shaped model (32 query heads, 8 KV heads, head dim 128), batc
                  last budget % G rows, which stay bf16 (residual), plus the current token in the tail
   packed-cache   the path kvpack's loaded cache takes (kvpack.varlen.packed_attention over a PackedLayer of
                  the ours-keep rows): the Triton kernel on CUDA, per-head fused flash calls on CPU
+  packed-cache-full  the same path over the full KV (every head all --tokens rows): the ratio of packed-cache
+                 to it is the keep ratio's own gain, without the gain of the path over SDPA
   masked-padded  what the loaded cache did before: every head padded to the longest, masked SDPA (GQA)
 GPU timings: CUDA events around one call, the L2 flushed before each (so the cache is read from HBM, as in
 a real multi-layer decode step), median over --reps. Prints a Markdown table (with the command line and
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
 from kernels import reference as ref  # noqa: E402
-from kvpack.varlen import packed_attention  # noqa: E402
+from kvpack.varlen import _packed_attention_torch, packed_attention  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -289,6 +291,13 @@ def main(argv=None):
     err = (out - kernels.varlen_decode_reference(**case["ours-keep"]).float()).abs().max().item()
     measure("packed-cache", lambda: packed_attention(q_cache, layer, scale), layer.kept_keys.shape[0] + hkv,
             kv_bytes(case["ours-keep"]), err)
+    if dev == "cpu":  # the cache's other CPU path (sliding windows), per-head products instead of flash calls
+        measure("packed-cache [products]", lambda: _packed_attention_torch(q_cache, layer, scale, None),
+                layer.kept_keys.shape[0] + hkv, kv_bytes(case["ours-keep"]), err)
+    full_layer, _ = packed_layer(case["ours-full"], N)
+    measure("packed-cache-full", lambda: packed_attention(q_cache, full_layer, scale), hkv * N,
+            kv_bytes(case["ours-full"]), (packed_attention(q_cache, full_layer, scale).view(H, D).float()
+                                          - expected_full).abs().max().item())
     pk, pv, pmask = padded
     measure("masked-padded", lambda: F.scaled_dot_product_attention(q4, pk, pv, attn_mask=pmask, scale=scale,
                                                                     enable_gqa=True),
