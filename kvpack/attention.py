@@ -10,10 +10,11 @@ While KVzip scores (arXiv 2505.23416 §3.2, Eq. 2) the layer also carries a scor
 attention probabilities is folded; the layer's entries are then laid out on one ``[kv_heads, kept + tail]`` grid
 (``PackedLayer.padded``: a view when every head holds the same entries, as in KVzip's prefill views), each head
 masked to its own entries: ``visible[h, i, j] = pos[h, j] >= 0 and pos[h, j] <= qpos[i]`` (and
-``qpos[i] - pos[h, j] < window`` when sliding), ``pos = -1`` marking padding. On CPU, when every head sees all its entries (KVzip's repeat pass), float32
-takes one explicit blocked pass that gives the output and the scores from the same probabilities
-(``kvpack.stats.one_pass_attention``); other CPU cases take the fused flash kernel for the output and each
-query's log-sum-exp, then one blocked product for the probabilities (``update_max_scores``); elsewhere the
+``qpos[i] - pos[h, j] < window`` when sliding), ``pos = -1`` marking padding. On CPU, when every head sees all
+its entries (KVzip's repeat pass), float32 takes one explicit blocked pass that gives the output and the scores
+from the same probabilities (``kvpack.stats.one_pass_attention``); other CPU cases take the fused flash kernel
+for the output and each query's log-sum-exp, then one blocked product for the probabilities
+(``update_max_scores``); elsewhere the
 softmax is computed explicitly in query blocks.
 
 While a context is prefilled for a method that scores by prefill attention (H2O, D2O, SnapKV, PyramidKV),

@@ -168,3 +168,17 @@ def test_from_pack_keeps_every_row_in_pack_order(golden):
         assert torch.equal(layer.kept_positions, entries.positions.long())
         assert layer.head_lengths == entries.head_lengths.tolist()
         assert layer.kept_keys.shape[0] == entries.num_entries  # no padding
+
+
+def test_from_pack_keeps_each_heads_biases_with_its_rows():
+    pack = load_pack(GOLDEN_DIR / "small_f32.kvpack")
+    for entries in pack.layers:
+        entries.biases = torch.arange(entries.num_entries, dtype=torch.float32) / 7
+    cache = KvpackCache.from_pack(pack, dtype=torch.bfloat16)
+    for entries, layer in zip(pack.layers, cache.layers):
+        off = entries.head_offsets().tolist()
+        for h in range(layer.num_kv_heads):
+            k, _, pos, beta = layer.head_rows(h)
+            assert beta.dtype == torch.float32  # never cast to the cache's dtype
+            assert torch.equal(beta, entries.biases[off[h] : off[h + 1]])
+            assert torch.equal(pos, entries.positions[off[h] : off[h + 1]].long())

@@ -32,7 +32,8 @@ from ..layout import chat_layout
 from ..loading import load
 from ..model import model_spec
 
-__all__ = ["needle_context_ids", "measure_speed", "measure_memory", "linear_growth", "timed", "plain_prefill", "causal_attention_alone"]
+__all__ = ["needle_context_ids", "measure_speed", "measure_memory", "linear_growth", "timed", "plain_prefill",
+           "causal_attention_alone"]
 
 
 def needle_context_ids(tokenizer, tokens: int, device) -> tuple[str, torch.Tensor]:
