@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["packed_attention", "use_triton_for", "triton_decode"]
+__all__ = ["packed_attention", "use_triton_for", "triton_decode", "compact_kernel_args"]
 
 #: Logit elements of one head's block of queries (bounds memory for long continuations: 16M floats, 64 MB).
 LOGIT_BLOCK = 2**24
@@ -108,6 +108,35 @@ def triton_decode(query: torch.Tensor, layer, scaling: float, validate: bool = F
     out = varlen_decode_triton(query[0, :, 0], layer.kept_keys, layer.kept_values, layer.offsets, layer.keys[0],
                                layer.values[0], scaling, fp_biases=layer.biases, validate=validate)
     return out.view(1, 1, *out.shape)
+
+
+def compact_kernel_args(entries, dtype: torch.dtype, device) -> dict:
+    """The arguments of ``kernels.compact_decode_triton`` for one compact-layout layer (``format/SPEC.md`` §5.6),
+    except ``q``, the tail and ``scale``: its full-precision rows (``entries.keys`` / ``values`` in ``dtype``, with
+    per-head offsets), its body rows' codes and parameters as stored (no dequantization), the per-head body row
+    and key group offsets, and its biases split between the two (``fp_biases``, ``q_biases``).
+
+    Raises ``InputError`` if the layer is not in the compact layout.
+    """
+    from .errors import InputError
+    from .quant import body_row_mask, quant_type
+
+    qr = entries.quant
+    if qr is None or qr.layout != "compact":
+        raise InputError("compact_kernel_args needs a layer quantized in the compact layout (kvpack build --quant)")
+    lengths, body = entries.head_lengths.long(), qr.body_lengths.long()
+    zero = torch.zeros(1, dtype=torch.int64)
+    groups = (body + qr.group_size - 1) // qr.group_size
+    args = dict(fp_keys=entries.keys.to(dtype), fp_values=entries.values.to(dtype),
+                fp_offsets=torch.cat([zero, (lengths - body).cumsum(0)]), key_codes=qr.key_codes,
+                key_bits=qr.key_bits, key_params=qr.key_params, value_codes=qr.value_codes,
+                value_params=qr.value_params, quant_grid=qr.quant_grid, q_offsets=torch.cat([zero, body.cumsum(0)]),
+                group_offsets=torch.cat([zero, groups.cumsum(0)]), group_size=qr.group_size,
+                bits=quant_type(qr.qtype).bits)
+    if entries.biases is not None:
+        in_body = body_row_mask(entries.head_lengths, qr.sink_lengths, qr.body_lengths)
+        args.update(fp_biases=entries.biases[~in_body].float(), q_biases=entries.biases[in_body].float())
+    return {k: v.to(device).contiguous() if torch.is_tensor(v) else v for k, v in args.items()}
 
 
 def _tail_visibility(q_len: int, tail: int, window: int | None, device) -> torch.Tensor | None:

@@ -7,6 +7,8 @@ One layer of an 8B-shaped model (32 query heads, 8 KV heads, head dim 128), batc
   ours-keep      our kernel, bf16, random non-uniform per-head budgets summing to keep * Hkv * tokens
   ours-keep-int4 the same budgets, each head's rows in int4 (KIVI layout, G = --group-size) except the
                  last budget % G rows, which stay bf16 (residual), plus the current token in the tail
+  ours-keep-compact-int4  (CUDA) kernels.compact_decode_triton over the ours-keep rows in format v5's compact
+                 int4 layout (kvpack.quant.quantize_pack), codes and 8-bit parameters read as stored
   packed-cache   the path kvpack's loaded cache takes (kvpack.varlen.packed_attention over a PackedLayer of
                  the ours-keep rows): the Triton kernel on CUDA, per-head fused flash calls on CPU
   packed-cache-full  the same path over the full KV (every head all --tokens rows): the ratio of packed-cache
@@ -158,6 +160,22 @@ def packed_layer(a, tokens):
     return layer, (pk, pv, mask.repeat_interleave(group, dim=1))
 
 
+def compact_case(a, group_size):
+    """``kernels.compact_decode_triton``'s arguments for case ``a``'s rows quantized to int4 in the compact layout
+    (``kvpack.quant.quantize_pack``, uniform key widths, no sink), plus ``q`` and ``scale``."""
+    from kvpack.pack import LayerEntries, Pack
+    from kvpack.quant import quantize_pack
+    from kvpack.varlen import compact_kernel_args
+
+    off = a["fp_offsets"].tolist()
+    lengths = [e - s for s, e in zip(off, off[1:])]
+    positions = torch.cat([torch.arange(n, dtype=torch.int32) for n in lengths])
+    layer = LayerEntries(a["fp_keys"].float().cpu(), a["fp_values"].float().cpu(), positions, torch.tensor(lengths))
+    q = quantize_pack(Pack(torch.arange(max(lengths) + 1), [layer], 0, {}), "int4", group_size, "compact")
+    args = compact_kernel_args(q.layers[0], a["q"].dtype, a["q"].device)
+    return dict(args, q=a["q"], scale=a["scale"])
+
+
 def kv_bytes(a):
     keys = ("fp_keys", "fp_values", "tail_keys", "tail_values", "key_codes", "key_scales", "key_mins",
             "value_codes", "value_scales", "value_mins")
@@ -302,6 +320,13 @@ def main(argv=None):
     measure("masked-padded", lambda: F.scaled_dot_product_attention(q4, pk, pv, attn_mask=pmask, scale=scale,
                                                                     enable_gqa=True),
             pk.shape[1] * pk.shape[2], 2 * pk.numel() * pk.element_size(), float("nan"))
+    if dev == "cuda":  # the kernel reading format v5's compact int4 layout as stored (no dequantized rows)
+        ca = compact_case(case["ours-keep"], args.group_size)
+        fn = lambda: kernels.compact_decode_triton(tail_keys=case["ours-keep"]["tail_keys"],  # noqa: E731
+                                                   tail_values=case["ours-keep"]["tail_values"], **ca)
+        err = (fn().float() - out).abs().max().item()  # against the packed-cache output over the bf16 rows
+        nbytes = sum(t.numel() * t.element_size() for t in ca.values() if torch.is_tensor(t))
+        measure("ours-keep-compact-int4", fn, ca["key_codes"].shape[0] + hkv, nbytes, err)
     for name, a in case.items():
         if args.no_reference and dev == "cpu":
             continue
