@@ -14,8 +14,8 @@
 #     python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #       -d runs/whl transformers==5.23.0 zstandard==0.25.0 huggingface_hub==2.4.0 tokenizers==0.23.3
-# Each stage has its own timeout (tests 150 s, benchmark 90 s, model 150 s, main job 240 s) so the file is
-# written even when one of them runs long. Scratch (the 16 GB model folder, the .kvpack files) goes to
+# Each stage has its own timeout (tests 120 s, benchmark 90 s, model 120 s, main job 200 s, at most 530 s in all;
+# the main job builds no further method after 120 s) so the file is written even when one of them runs long. Scratch (the 16 GB model folder, the .kvpack files) goes to
 # $KVPACK_TMP (default /tmp/kvpack-gpu), never to $OUT.
 #
 #     bash tools/gpu_check.sh --dry-run    # CPU, seconds: the same stages on the reference model (tests/test_gpu_check.py)
@@ -53,7 +53,7 @@ else
     "$PY" -c "import xdist" 2>/dev/null && TEST_ARGS+=(-n 8)
     BENCH_ARGS=(--device cuda --tokens 32768 --reps 50)
     MODEL_ARGS=(llama-3.1-8b --out "$SCRATCH/llama-3.1-8b" --dtype bfloat16)
-    JOB_ARGS=(--model "$SCRATCH/llama-3.1-8b" --tokens 32768 --steps 20 --device cuda)
+    JOB_ARGS=(--model "$SCRATCH/llama-3.1-8b" --tokens 32768 --steps 20 --device cuda --budget-s 120)
 fi
 
 # 1. versions; on a GPU run, fail fast without CUDA or triton
@@ -79,17 +79,17 @@ EOF
 [ "${PIPESTATUS[0]}" -eq 0 ] || exit 2
 
 # 2. kernel tests
-timeout 150 "$PY" -m pytest "${TEST_ARGS[@]}" tests/test_kernels.py > "$OUT_DIR/test_kernels.log" 2>&1
+timeout 120 "$PY" -m pytest "${TEST_ARGS[@]}" tests/test_kernels.py > "$OUT_DIR/test_kernels.log" 2>&1
 tests_rc=$?
 # 3. decode benchmark
 timeout 90 "$PY" tools/bench_decode.py "${BENCH_ARGS[@]}" --out "$OUT_DIR" > "$OUT_DIR/bench_decode.log" 2>&1
 bench_rc=$?
 # 4. the main job on the 8B shape (dry run: the tool's list of shapes, then the reference model)
-timeout 150 "$PY" tools/make_shape_model.py "${MODEL_ARGS[@]}" > "$OUT_DIR/make_shape_model.log" 2>&1
+timeout 120 "$PY" tools/make_shape_model.py "${MODEL_ARGS[@]}" > "$OUT_DIR/make_shape_model.log" 2>&1
 model_rc=$?
 job_rc=1
 if [ "$model_rc" -eq 0 ]; then
-    timeout 240 "$PY" tools/gpu_main_job.py "${JOB_ARGS[@]}" --out "$OUT_DIR/main_job.md" > "$OUT_DIR/main_job.log" 2>&1
+    timeout 200 "$PY" tools/gpu_main_job.py "${JOB_ARGS[@]}" --out "$OUT_DIR/main_job.md" > "$OUT_DIR/main_job.log" 2>&1
     job_rc=$?
 fi
 

@@ -72,6 +72,8 @@ def main(argv=None) -> str:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--steps", type=int, default=20, help="decode steps timed per cache")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="build no further method once this many seconds have passed (the table keeps the done ones)")
     ap.add_argument("--out", default=None, help="Markdown file to write")
     args = ap.parse_args(argv)
     cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0]] + (argv if argv is not None else sys.argv[1:]))
@@ -83,10 +85,14 @@ def main(argv=None) -> str:
     plain_prefill(model, ids)  # warm-up
     prefill_s, rows = [], {m: {"build": [], "load": [], "raw": []} for m in methods}
     caches = {}
+    t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=os.environ.get("KVPACK_TMP")) as folder:
         for _ in range(args.repeats):
             prefill_s.append(timed(lambda: plain_prefill(model, ids))[0])
             for m in methods:
+                if args.budget_s is not None and time.perf_counter() - t_start > args.budget_s:
+                    print(f"# budget of {args.budget_s} s spent: {m} not built", flush=True)
+                    continue
                 r = rows[m]
                 before = _peak_reset(dev)
                 t, pack = timed(lambda: kvpack.compress(model, tok, text, method=m, chunk_size=args.chunk_size,
@@ -134,12 +140,15 @@ def main(argv=None) -> str:
              f"| method | build s | build / prefill | peak MiB ({peak_what}) | file MB | load s | load GB/s | "
              "raw read GB/s | decode step ms | decode / full |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for m in methods:
+    for m in [m for m in methods if rows[m]["build"]]:
         r = rows[m]
         b, lo, raw = (statistics.median(r[k]) for k in ("build", "load", "raw"))
         lines.append(f"| {m} | {b:.3f} | {b / pre:.2f}x | {r['peak_mib']:.0f} | {r['bytes'] / 1e6:.1f} | {lo:.3f} | "
                      f"{r['bytes'] / lo / 1e9:.2f} | {r['bytes'] / raw / 1e9:.2f} | {step[m] * 1e3:.2f} | "
                      f"{step[m] / step['full']:.2f}x |")
+    skipped = [m for m in methods if not rows[m]["build"]]
+    if skipped:
+        lines += ["", f"Not built (--budget-s {args.budget_s} spent): {', '.join(skipped)}"]
     table = "\n".join(lines)
     print(table, flush=True)
     if args.out:
