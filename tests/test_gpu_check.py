@@ -17,7 +17,9 @@ def test_gpu_check_dry_run_writes_every_section(tmp_path):
                OMP_NUM_THREADS="1")
     res = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "--dry-run"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
-    report = (tmp_path / "out" / "gpu_check.md").read_text()
+    path = tmp_path / "out" / "gpu_check.md"
+    assert path.exists(), res.stdout + res.stderr
+    report = path.read_text()
     assert res.returncode == 0, res.stdout + res.stderr + report
     assert "kernel tests 0, decode benchmark 0, shape model 0, main job 0" in report
     assert re.search(r"\d+ tests? collected", report)  # the kernel tests import and collect
