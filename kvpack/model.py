@@ -84,7 +84,8 @@ def load_model(name_or_path: str | os.PathLike | None = None, *, device=None, dt
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        tokenizer = _declared_backend(path) or AutoTokenizer.from_pretrained(path, local_files_only=local_only)
+        tokenizer = (_declared_backend(path) if local else None) or AutoTokenizer.from_pretrained(
+            path, local_files_only=local_only)
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dt, local_files_only=local_only, attn_implementation="sdpa"
         )

@@ -1,6 +1,7 @@
 """Decode-step benchmark: full-cache SDPA against kernels.varlen_decode on per-head variable-length KV.
 
-One layer of an 8B-shaped model (32 query heads, 8 KV heads, head dim 128), batch 1, one new token:
+One layer of an 8B-shaped model (32 query heads, 8 KV heads, head dim 128; `--model DIR` takes the shape of a
+model folder instead), batch 1, one new token:
   sdpa-full      torch SDPA over the full `--tokens` KV in bf16 (GQA via enable_gqa), each backend that
                  accepts it (flash, efficient, cudnn) and the default choice; the fastest is the baseline
   ours-full      our kernel over the same full KV (same bytes as SDPA: kernel efficiency alone)
@@ -48,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--keep", type=float, default=0.3)
+    p.add_argument("--model", default=None,
+                   help="model folder whose attention shape to use (overrides --heads/--kv-heads/--head-dim)")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -61,7 +64,15 @@ def parse_args(argv=None):
                    help="skip the ours-* rows of the reference path (CPU: slow, a per-head concatenation)")
     p.add_argument("--sweep", action="store_true", help="also time launch configurations of our kernel (CUDA)")
     p.add_argument("--out", default=os.environ.get("OUT"), help="folder for bench_decode.md/.json (default $OUT)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.model is not None:  # e.g. a tools/make_shape_model.py folder: one layer of that model's shape
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(args.model, local_files_only=True)
+        args.heads = cfg.num_attention_heads
+        args.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        args.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return args
 
 
 def versions(device):

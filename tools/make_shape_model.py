@@ -7,19 +7,23 @@ Gemma 3's sliding-window pattern, attention biases, tied embeddings, norm eps, a
 model's, taken from its ``config.json`` on the Hugging Face hub (URL in ``SHAPES``). The tokenizer is kvpack's
 reference tokenizer (``kvpack/models/reference``), so the vocabulary is the reference's (4,096 tokens) and the
 embedding and LM head are the only shapes that differ from the real model: ``[4096, hidden]`` instead of e.g.
-``[151936, 896]``. For timing this means: prefill, KVzip's repeat passes and decode attention/MLP costs are the
-real model's; the LM head's logits (one row per *generated* token; kvpack's prefill computes none for the
-context) and the embedding's memory are smaller, so a decode step is slightly faster than the real model's
-(the LM head is ~2% of a 0.5B decode step's FLOPs at 4K context... see BENCHMARKS.md), and whole-model RAM is
-lower by ``(vocab - 4096) x hidden`` parameters (x2 untied).
+``[151936, 896]``. For timing this means: kvpack's prefill asks for no context logits (``logits_to_keep=1``), so
+prefill, build (KVzip's repeat passes included) and load times are the real model's; a decode step lacks the real
+LM head's ``(vocab - 4096) x hidden`` multiply-adds, which are this share of the real model's per-token weight
+work (the LM head over all weights used once per token): Qwen2.5-0.5B 28%, Gemma-3-1B 30%, Llama-3.2-1B 21%,
+Qwen2.5-7B 8%, Llama-3.1-8B 7%. So whole-model decode steps here are up to that much cheaper than the real
+model's (attention over the cache is not affected), and the weights take ``(vocab - 4096) x hidden`` fewer
+parameters of RAM (twice that where untied).
 
 Weights: every matrix (linear layers and the embedding) is drawn from N(0, std) with std the config's
 ``initializer_range`` (0.02 in every model here: what the models were initialised with before training; attention
-logits then have a standard deviation of roughly 0.3-1, neither uniform nor one-hot), biases are 0, norm weights
-are the identity (1, or 0 for Gemma 3's ``x * (1 + w)`` norms). Each tensor has its own generator seeded from
-``--seed`` and the tensor's name, so a ``--layers N`` model's first N layers equal the full model's. Tensors are
-generated one at a time (in row blocks) and written into safetensors shards of at most ``--shard-mib``, so
-building Llama-3.1-8B's shape needs about one shard of RAM, not the model's 16/32 GB. Never pickled.
+logits then have a standard deviation of about 0.35 on the 0.5B shape: attention is spread out, each query's
+largest probability about twice the uniform one, like an untrained model's; ``--init-std`` makes it sharper),
+biases are 0, norm weights are the identity (1, or 0 for Gemma 3's ``x * (1 + w)`` norms). Each tensor has its own
+generator seeded from ``--seed`` and the tensor's name, so a ``--layers N`` model's first N layers equal the full
+model's. Tensors are generated one at a time (in row blocks) and written into safetensors shards of at most
+``--shard-mib``, so building Llama-3.1-8B's shape needs about one shard of RAM, not the model's 16/32 GB. Never
+pickled.
 
     python tools/make_shape_model.py qwen2.5-0.5b --out runs/shapes/qwen2.5-0.5b
     python tools/make_shape_model.py llama-3.1-8b --out runs/shapes/llama-3.1-8b --dtype bfloat16
@@ -207,8 +211,8 @@ def parameter_shapes(config) -> dict[str, tuple[torch.Size, str]]:
             else:
                 kind = "norm"
             out[full] = (p.shape, kind)
-    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
-    for name in tied:
+    unique = {name for name, _ in model.named_parameters()}
+    for name in {name for name, _ in model.named_parameters(remove_duplicate=False)} - unique:  # tied copies
         out.pop(name, None)
     return out
 
