@@ -71,6 +71,11 @@ class PackedLayer(CacheLayerMixin):
             raise InputError(f"a cache layer's rows ({keys.shape[0]} keys, {values.shape[0]} values, "
                              f"{positions.shape[0]} positions) do not match its head lengths {lengths}; build the "
                              "pack again with kvpack.compress or load it from a file")
+        # a pack straight from kvpack.compress holds inference-mode tensors, which a forward pass with autograd on
+        # may not save: those rows are copied once into ordinary tensors
+        keys, values, positions, biases = (t.clone() if t is not None and t.is_inference() and
+                                           not torch.is_inference_mode_enabled() else t
+                                           for t in (keys, values, positions, biases))
         self.kept_keys, self.kept_values, self.kept_positions = keys, values, positions.long()
         self.biases = None if biases is None else biases.float()
         self.head_lengths = lengths
