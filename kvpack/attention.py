@@ -50,7 +50,8 @@ _registered = False
 _MASKS_UNUSED = contextvars.ContextVar("kvpack_masks_unused", default=False)
 
 
-def masked_attention(query, key, value, visible, scaling, scores=None, query_block: int = QUERY_BLOCK):
+def masked_attention(query, key, value, visible, scaling, scores=None, query_block: int = QUERY_BLOCK,
+                     score_weights=None):
     """Attention with a per-KV-head visibility mask.
 
     Args:
@@ -60,6 +61,9 @@ def masked_attention(query, key, value, visible, scaling, scores=None, query_blo
         scaling: softmax temperature applied to ``q . k``.
         scores: optional ``[kv_heads, n]`` float32 buffer (``n <= kv``); if given, updated in place with
             ``max`` over queries and GQA group of the attention probabilities of the first ``n`` entries.
+        score_weights: optional ``(entry, query)`` weights of those probabilities before the max (KVzip+,
+            ``kvpack.methods.kvzip_plus``): ``entry`` ``[kv_heads, group, n]`` per query head and entry, ``query``
+            ``[q]`` per query; the scores are then ``max_{g, t} p[h, g, t, i] * entry[h, g, i] * query[t]``.
 
     Returns:
         ``[1, q, heads, head_dim_v]`` attention output (the layout transformers expects).
@@ -71,9 +75,9 @@ def masked_attention(query, key, value, visible, scaling, scores=None, query_blo
         mask = visible.repeat_interleave(group, dim=0).unsqueeze(0)  # [1, heads, q, kv]
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous()
-    if query.device.type == "cpu" and bool((visible == visible[:1]).all()):
+    if score_weights is None and query.device.type == "cpu" and bool((visible == visible[:1]).all()):
         return _scored_attention_fused(query, key, value, visible[0], scaling, scores)
-    return _scored_attention_explicit(query, key, value, visible, scaling, scores, query_block)
+    return _scored_attention_explicit(query, key, value, visible, scaling, scores, query_block, score_weights)
 
 
 def scored_attention_dense(query, key, value, past: int, scaling, scores):
@@ -181,8 +185,9 @@ def _scored_attention_fused(query, key, value, visible, scaling, scores):
     return out.transpose(1, 2).contiguous()
 
 
-def _scored_attention_explicit(query, key, value, visible, scaling, scores, query_block):
-    """Any device: materialise the probabilities block by block. ``visible``: ``[kv_heads, q, kv]``."""
+def _scored_attention_explicit(query, key, value, visible, scaling, scores, query_block, score_weights=None):
+    """Any device: materialise the probabilities block by block. ``visible``: ``[kv_heads, q, kv]``;
+    ``score_weights``: see ``masked_attention``."""
     _, heads, q_len, _ = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
@@ -195,7 +200,11 @@ def _scored_attention_explicit(query, key, value, visible, scaling, scores, quer
         logits = torch.einsum("hgqd,hkd->hgqk", qb, k) * scaling
         logits.masked_fill_(~visible[:, None, s : s + query_block], float("-inf"))
         probs = logits.softmax(dim=-1)  # [kv_heads, group, qb, kv]
-        torch.maximum(scores, probs[..., :n].amax(dim=(1, 2)), out=scores)
+        scored = probs[..., :n]
+        if score_weights is not None:
+            entry_w, query_w = score_weights
+            scored = scored * entry_w[:, :, None, :] * query_w[s : s + query_block].float()[None, None, :, None]
+        torch.maximum(scores, scored.amax(dim=(1, 2)), out=scores)
         outs.append(torch.einsum("hgqk,hkd->hgqd", probs, v).reshape(heads, -1, v.shape[-1]))
     out = torch.cat(outs, dim=1).to(query.dtype)  # [heads, q, d]
     return out.unsqueeze(0).transpose(1, 2).contiguous()
@@ -284,11 +293,12 @@ def kvpack_attention_forward(module, query, key, value, attention_mask, dropout:
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     window = kwargs.get("sliding_window")
-    if (layer.scores is not None and query.device.type == "cpu" and layer.dense and window is None
-            and layer.tail_length == query.shape[2]):
+    weights = layer.score_weights
+    if (layer.scores is not None and weights is None and query.device.type == "cpu" and layer.dense
+            and window is None and layer.tail_length == query.shape[2]):
         return scored_attention_dense(query, key, value, layer.kept, scaling, layer.scores), None
     visible = layer.visibility(query.shape[2], window)
-    return masked_attention(query, key, value, visible, scaling, scores=layer.scores), None
+    return masked_attention(query, key, value, visible, scaling, scores=layer.scores, score_weights=weights), None
 
 
 @contextlib.contextmanager

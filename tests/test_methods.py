@@ -26,7 +26,7 @@ RATIO = 0.3
 #: Harder settings per method, run on one architecture (every method also runs with its defaults everywhere).
 VARIANTS = {
     "kvzip": [dict(tail_tokens=0)],
-    "d2o": [dict(merge=False), dict(sink=0, recent_ratio=0.0, beta=1.0), dict(sink=50, recent_ratio=1.0)],
+    "d2o": [dict(merge="off"), dict(merge="values"), dict(sink=0, recent_ratio=0.0, beta=1.0), dict(sink=50, recent_ratio=1.0)],
     "streaming": [dict(sink=0)],
     "h2o": [dict(budget="global"), dict(budget="layer")],
     "snapkv": [dict(window=8, kernel=1, pooling="max", budget="global"), dict(question="What is the code?")],
@@ -98,7 +98,7 @@ def test_method_variants(name, options, tmp_path):
     pack = kvpack.compress(model, tok, TEXT, method=name, ratio=RATIO, chunk_size=40, **options)
     method = get_method(name, **options)
     assert pack.metadata["method_params"] == get_method(name, {"chunk_size": 40}, **options).params()
-    _check_pack(model, tok, pack, method, tmp_path, exact=not (name == "d2o" and method.merge))
+    _check_pack(model, tok, pack, method, tmp_path, exact=not (name == "d2o" and method.merge != "off"))
 
 
 def test_none_keeps_everything_and_records_ratio_one(tmp_path):
@@ -122,7 +122,7 @@ def test_options_are_part_of_the_up_to_date_check(tmp_path):
     out = tmp_path / "packs"
     assert not build(ctxs, model, tok, out_dir=out, method="d2o", beta=0.5)[0].skipped
     assert build(ctxs, model, tok, out_dir=out, method="d2o", beta=0.5)[0].skipped
-    assert not build(ctxs, model, tok, out_dir=out, method="d2o", beta=0.5, merge=False)[0].skipped
+    assert not build(ctxs, model, tok, out_dir=out, method="d2o", beta=0.5, merge="off")[0].skipped
     with pytest.raises(InputError, match="has no parameter 'sink'"):
         build(ctxs, model, tok, out_dir=out, method="h2o", sink=2)
 
@@ -139,7 +139,7 @@ def test_options_are_part_of_the_up_to_date_check(tmp_path):
     ("streaming", dict(merge=False), "has no parameter 'merge'"),
     ("d2o", dict(beta=1.5), "beta must be a number in [0.0, 1.0]"),
     ("d2o", dict(recent_ratio=-0.1), "recent_ratio"),
-    ("d2o", dict(merge="yes"), "merge must be true or false"),
+    ("d2o", dict(merge="yes"), "merge must be one of keys+values, values, off"),
     ("d2o", dict(sink=-1), "sink must be an integer >= 0"),
     ("pyramidkv", dict(budget="global"), "budget must be one of layer, head"),
     ("pyramidkv", dict(beta=0.5), "beta must be a number in [1.0"),
@@ -461,8 +461,9 @@ def test_merge_arithmetic_on_hand_built_tensors():
 def test_d2o_without_merge_is_its_eviction_and_merging_changes_only_kept_rows():
     model, tok = tiny_model("llama")
     spec = model_spec(model)
-    evict = kvpack.compress(model, tok, TEXT, method="d2o", ratio=RATIO, merge=False)
+    evict = kvpack.compress(model, tok, TEXT, method="d2o", ratio=RATIO, merge="off")
     merged = kvpack.compress(model, tok, TEXT, method="d2o", ratio=RATIO)
+    assert merged.metadata["method_params"]["merge"] == "keys+values"  # the paper's merge is the default
     stats = merged.metadata["stats"]["merge"]
     assert stats["merged"] > 0 and stats["merged"] + stats["dropped"] == \
         evict.metadata["stats"]["context_entries"] - evict.metadata["stats"]["context_entries_kept"]
@@ -483,3 +484,21 @@ def test_d2o_without_merge_is_its_eviction_and_merging_changes_only_kept_rows():
         for h in range(evict.kv_heads):
             k, _, pos = evict.layers[l].head(h)
             torch.testing.assert_close(k, full.keys[l][h, pos.long()])
+
+
+def test_d2o_merge_values_changes_only_values_by_the_same_weights():
+    model, tok = tiny_model("llama")
+    spec = model_spec(model)
+    packs = {mode: kvpack.compress(model, tok, TEXT, method="d2o", ratio=RATIO, merge=mode)
+             for mode in ("off", "values", "keys+values")}
+    stats = {mode: p.metadata["stats"].get("merge") for mode, p in packs.items()}
+    assert stats["off"] is None and stats["values"]["mode"] == "values"
+    assert {k: v for k, v in stats["values"].items() if k != "mode"} == \
+        {k: v for k, v in stats["keys+values"].items() if k != "mode"}  # the same entries are merged
+    for l in spec.compressed_layers:
+        off, val, both = (packs[m].layers[l] for m in ("off", "values", "keys+values"))
+        assert torch.equal(val.keys, off.keys)  # keys stay as prefilled
+        assert torch.equal(val.values, both.values)  # values merged exactly as in the paper's mode
+        assert not torch.equal(val.values, off.values) and not torch.equal(both.keys, off.keys)
+    # the earlier boolean option still reads as the paper's merge / the eviction alone
+    assert get_method("d2o", merge=True).merge == "keys+values" and get_method("d2o", merge=False).merge == "off"
