@@ -151,8 +151,8 @@ def save_head_scores(scores: HeadScores, path: str | os.PathLike) -> int:
                 "fingerprint": json.dumps(scores.fingerprint, sort_keys=True),
                 "contexts": json.dumps(scores.contexts), "compressed_layers": json.dumps(scores.compressed_layers),
                 "method": json.dumps(scores.method, sort_keys=True)}
-    tensors = {"scores": scores.scores.float().contiguous(),
-               "context_scores": scores.context_scores.float().contiguous()}
+    tensors = {"scores": scores.scores.detach().float().cpu().clone().contiguous(),  # own storage each
+               "context_scores": scores.context_scores.detach().float().cpu().clone().contiguous()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

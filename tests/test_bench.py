@@ -23,7 +23,7 @@ from kvpack.fileformat import pack_to_bytes
 from kvpack.layout import chat_layout
 from kvpack.methods import METHODS
 
-from .tiny import TEXT, tiny_model
+from .tiny import TEXT, required_options, tiny_model
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
@@ -31,12 +31,13 @@ def test_build_variants_equal_compress(method):
     """One prefill + one scoring pass for all ratios gives exactly the bytes of separate kvpack.compress calls."""
     model, tok = tiny_model("llama")
     text = TEXT * 2
-    built = build_variants(model, tok, text, method, [1.0, 0.5, 0.2], ["none", "int4"], chunk_size=64)
+    required = required_options(method, "llama")
+    built = build_variants(model, tok, text, method, [1.0, 0.5, 0.2], ["none", "int4"], chunk_size=64, **required)
     assert len(built) == 6
     for b in built:
         ratio = 1.0 if method == "none" else b.variant.ratio
         ref = kvpack.compress(model, tok, text, method=method, ratio=ratio, quant=b.variant.quant, chunk_size=64,
-                              source_name="<bench>")
+                              source_name="<bench>", **required)
         assert pack_to_bytes(b.pack, 0) == pack_to_bytes(ref, 0), b.variant.label
         assert b.build_s > 0
 

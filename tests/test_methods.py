@@ -20,12 +20,13 @@ from kvpack.model import model_spec
 from kvpack.prefill import prefill
 
 from .reference import masked_reference_logits
-from .tiny import ARCHITECTURES, TEXT, tiny_model
+from .tiny import ARCHITECTURES, TEXT, required_options, tiny_heads_file, tiny_model
 
 RATIO = 0.3
 #: Harder settings per method, run on one architecture (every method also runs with its defaults everywhere).
 VARIANTS = {
-    "kvzip": [dict(tail_tokens=0)],
+    "kvzip": [dict(tail_tokens=0), dict(scoring="plus")],
+    "kvzip-head": [dict(heads=tiny_heads_file("qwen2"), window=5)],
     "d2o": [dict(merge="off"), dict(merge="values"), dict(sink=0, recent_ratio=0.0, beta=1.0), dict(sink=50, recent_ratio=1.0)],
     "streaming": [dict(sink=0)],
     "h2o": [dict(budget="global"), dict(budget="layer")],
@@ -48,6 +49,11 @@ def _check_pack(model, tok, pack, method: Method, tmp_path, exact: bool):
     stats = pack.metadata["stats"]
     entries = stats["context_entries"]
     want = entries if method.name == "none" else round(RATIO * entries)
+    if method.name == "kvzip-head":  # whole heads: round(RATIO x pairs) of them, plus the window in the others
+        pairs = len(spec.compressed_layers) * pack.kv_heads
+        n = stats["context_tokens"]
+        kept = round(RATIO * pairs)
+        want = kept * n + (pairs - kept) * min(method.window, n)
     assert stats["context_entries_kept"] == want
     compressed = list(spec.compressed_layers)
     lengths = pack.head_lengths()[compressed] - pack.sink_tokens
@@ -83,10 +89,11 @@ def _check_pack(model, tok, pack, method: Method, tmp_path, exact: bool):
 @pytest.mark.parametrize("name", list(METHODS))
 def test_every_method_builds_loads_and_generates_on_every_architecture(name, arch, tmp_path):
     model, tok = tiny_model(arch)
-    pack = kvpack.compress(model, tok, TEXT, method=name, ratio=RATIO, chunk_size=40)
-    method = get_method(name)
+    required = required_options(name, arch)
+    pack = kvpack.compress(model, tok, TEXT, method=name, ratio=RATIO, chunk_size=40, **required)
+    method = get_method(name, **required)
     assert pack.metadata["method"] == name and pack.metadata["method_params"] == get_method(
-        name, {"chunk_size": 40}).params()
+        name, {"chunk_size": 40}, **required).params()
     merges = name == "d2o"
     assert ("merge" in pack.metadata["stats"]) == merges
     _check_pack(model, tok, pack, method, tmp_path, exact=not merges)
