@@ -27,7 +27,8 @@ from ..errors import InputError
 from ..fileformat import save
 from ..layout import chat_layout
 from ..loading import load
-from ..methods import METHODS, get_method
+from ..methods import get_method
+from .specs import parse_method_spec
 from ..compress import assemble_pack, prefill_recorder
 from ..model import model_spec
 from ..pack import Pack
@@ -84,8 +85,7 @@ def expand_grid(methods: list[str], ratios: list[float], quants: list[str]) -> l
         InputError: unknown method or quantization, a ratio outside (0, 1].
     """
     for m in methods:
-        if m not in METHODS:
-            raise InputError(f"unknown method {m!r}; choose from: {', '.join(sorted(METHODS))}")
+        parse_method_spec(m)  # a name, or name[key=value;...] (kvpack.bench.specs)
     for q in quants:
         if q not in C.QUANT_CHOICES:
             raise InputError(f"unknown quantization {q!r}; choose from: {', '.join(C.QUANT_CHOICES)}")
@@ -125,7 +125,8 @@ def build_variants(model, tokenizer, text: str, method: str, ratios: list[float]
     Args:
         model, tokenizer: from ``kvpack.load_model``.
         text: the context.
-        method: a ``METHODS`` key.
+        method: a ``METHODS`` key, or a spec with options (``d2o[merge=values]``, ``kvpack.bench.specs``); the
+            variants are named after it.
         ratios: fractions kept, each in (0, 1].
         quants: quantization types (``"none"``, ``"int8"``, ``"int4"``).
         chunk_size: prefill/scoring chunk in tokens (as ``kvpack.compress``).
@@ -144,7 +145,8 @@ def build_variants(model, tokenizer, text: str, method: str, ratios: list[float]
     for r in ratios:
         if not (isinstance(r, (int, float)) and 0.0 < r <= 1.0):
             raise InputError(f"ratio must be in (0, 1] (the fraction of KV entries kept), got {r!r}")
-    scorer = get_method(method, {"chunk_size": chunk_size}, **options)
+    name, spec_options = parse_method_spec(method)
+    scorer = get_method(name, {"chunk_size": chunk_size}, **spec_options, **options)
     kept = [scorer.kept_ratio(r) for r in ratios]
     if any(r < 1.0 for r in kept) and any(r >= 1.0 for r in kept):
         # kvpack.compress records no attention statistics at ratio 1.0, and a recorded prefill may differ from a
