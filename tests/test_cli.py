@@ -102,7 +102,7 @@ def test_info_describes_the_pack(built):
     out = _run(["info", str(packs / "alpha.kvpack")]).stdout
     for pattern in (r"format\s+kvpack v3, [\d,]+ bytes, tensor checksums XXH3-128", r"(?m)quantization\s+none$",
                     r"zstd\s+level 3: [\d,]+ bytes on disk, [\d,]+ decoded",
-                    r"method\s+kvzip \(chunk_size=64, tail_tokens=8\)", r"ratio\s+0\.3",
+                    r"method\s+kvzip \(chunk_size=64, scoring=attention, tail_tokens=8\)", r"ratio\s+0\.3",
                     r"architecture\s+LlamaForCausalLM", r"heads\s+4 query, 2 KV", r"head dim\s+16",
                     r"tokens\s+\d+ \(\d+ sink \+ \d+ context\)", r"source\s+alpha\.txt \(sha256 [0-9a-f]{12}",
                     r"weights\s+sha256 [0-9a-f]{12}\.\.\.", r"kvpack version\s+0\.1\.0"):
