@@ -45,6 +45,7 @@ class KVzipHead(Method):
     def __post_init__(self):
         from ..heads import load_head_scores
 
+        super().__post_init__()
         if self.heads is None:
             raise InputError("kvzip-head needs head scores: make them once per model with `kvpack heads DOC.txt "
                              "... --model M --out heads.safetensors` (API: kvpack.head_scores + "
