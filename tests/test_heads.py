@@ -226,3 +226,17 @@ def test_cli_heads_build_and_info(tmp_path):
                               "--out", str(tmp_path / "p2"), "--device", "cpu"])
     assert res.exit_code == 1 and "error: kvzip-head needs head scores: make them once per model with " \
                                   "`kvpack heads" in res.output
+
+
+def test_the_head_file_bytes_are_part_of_the_up_to_date_check(tmp_path):
+    from kvpack.build import build, discover_contexts
+
+    model, tok = tiny_model("llama")
+    (tmp_path / "a.txt").write_text(TEXT, encoding="utf-8")
+    ctxs = discover_contexts([tmp_path / "a.txt"])
+    path = _file_with_scores(tmp_path, "llama", torch.tensor([[0.2, 0.9], [0.8, 0.1]]))
+    kw = dict(out_dir=tmp_path / "packs", method="kvzip-head", heads=path, ratio=0.5)
+    assert not build(ctxs, model, tok, **kw)[0].skipped
+    assert build(ctxs, model, tok, **kw)[0].skipped
+    _file_with_scores(tmp_path, "llama", torch.tensor([[0.9, 0.2], [0.8, 0.1]]))  # same path, other scores
+    assert not build(ctxs, model, tok, **kw)[0].skipped
