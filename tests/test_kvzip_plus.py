@@ -32,13 +32,16 @@ def test_value_output_norms_match_the_projection_of_each_value():
                 assert float(got[h, g, i]) == pytest.approx(float((w @ values[h, i]).norm()), rel=1e-5)
 
 
-def test_masked_attention_weights_the_probabilities_before_the_max():
+@pytest.mark.parametrize("shared", [False, True])  # per-head visibility (explicit path) or shared (fused, CPU)
+def test_masked_attention_weights_the_probabilities_before_the_max(shared):
     torch.manual_seed(2)
     kv, group, q, keys, d, n = 2, 2, 6, 9, 8, 5
     query = torch.randn(1, kv * group, q, d)
     key, value = torch.randn(1, kv, keys, d), torch.randn(1, kv, keys, d)
     visible = torch.rand(kv, q, keys) > 0.3
     visible[:, :, 0] = True
+    if shared:
+        visible[:] = visible[0]
     entry_w, query_w = torch.rand(kv, group, n) + 0.1, torch.rand(q) + 0.1
     scores = torch.zeros(kv, n)
     out = masked_attention(query, key, value, visible, 0.5, scores=scores, query_block=4,
