@@ -1,12 +1,22 @@
-"""``kvpack build`` as a library: find the contexts in files and folders, compress each into ``<name>.kvpack``.
+"""``kvpack build`` as a library: plan which contexts need building (no model needed), then build them.
 
-    contexts = discover_contexts(["docs/"])                  # .txt, .md: one context each; .jsonl: one per line
-    model, tok = kvpack.load_model()
-    results = build(contexts, model, tok, out_dir=default_out_dir(["docs/"]), method="kvzip", ratio=0.3)
+    contexts = discover_contexts(["docs/"])                     # kvpack.sources: mirrored names, bad ones marked
+    settings = build_settings(method="kvzip", ratio=0.3)         # validated, no model needed
+    plan = plan_build(contexts, "packs/", settings, model_id=model_identity(None))
+    if plan.needs_model:                                         # False when every pack is up to date
+        model, tok = kvpack.load_model()
+    for result in run_build(plan, model, tok):                   # one BuildResult per context (or part)
+        print(result.name, result.status, result.error)
 
-A context whose output file already holds a pack built from the same text, with the same method, parameters,
-ratio, quantization and zstd level, by the same model (weights, tokenizer, architecture, KV dtype), is skipped; so
-re-running a build after adding documents only compresses the new ones.
+``build(contexts, model, tok, out_dir=...)`` does all three and returns the list.
+
+A context is ``up_to_date`` when its pack (verified: every checksum) was built from the same text (SHA-256) with the
+same method, parameters, ratio, quantization, zstd level and checksum by the same model. Before the model loads
+this is decided from the manifest (``kvpack.manifest``: the record names the model folder's identity,
+``kvpack.model.model_identity``) and the pack's header; after it loads, from the pack's model fingerprint. A
+context that cannot be built is ``failed`` with its reason, and the others are still built (``fail_fast`` stops at
+the first); a rebuilt existing pack is ``replaced``; a new one ``built``. The manifest is updated as packs are
+written, so an interrupted run resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -14,84 +24,67 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
 
 from . import constants as C
-from .compress import DEFAULT_CHUNK_SIZE, DEFAULT_RATIO, compress
+from .compress import DEFAULT_CHUNK_SIZE, DEFAULT_RATIO, compress, max_context_tokens
 from .errors import InputError, KvpackError
 from .fileformat import PackHeader, check_storage_args, save, verify
 from .fingerprint import check_fingerprint, model_fingerprint
 from .layout import chat_layout
+from .manifest import ManifestWriter, read_manifest
 from .methods import get_method
 from .model import model_spec
+from .names import part_name
 from .quant import check_quant_args
+from .sources import SUFFIXES, Context, discover_contexts, split_text
 
 __all__ = [
     "SUFFIXES",
     "OUT_DIR_NAME",
     "Context",
     "BuildResult",
+    "BuildPlan",
     "discover_contexts",
     "default_out_dir",
+    "build_settings",
+    "plan_build",
+    "run_build",
     "build",
+    "summary",
     "check_pack",
     "check_compatible",
 ]
 
-#: File suffixes ``discover_contexts`` reads; other files inside folders are skipped.
-SUFFIXES = (".txt", ".md", ".jsonl")
 #: Name of the default output folder (see ``default_out_dir``).
 OUT_DIR_NAME = "packs"
 
 #: Fingerprint fields that do not make an existing pack stale (``name`` is where the model was loaded from).
 _IGNORED_FINGERPRINT_FIELDS = ("name",)
-_UNSAFE_NAME_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
-
-
-@dataclass(frozen=True)
-class Context:
-    """One document to compress.
-
-    Attributes:
-        name: output name; the pack is written to ``<out_dir>/<name>.kvpack``.
-        text: the document's text.
-        source: the file it came from.
-        line: 1-based line number in a ``.jsonl`` file, ``None`` for ``.txt``/``.md``.
-    """
-
-    name: str
-    text: str
-    source: Path
-    line: int | None = None
-
-    @property
-    def where(self) -> str:
-        """``source`` or ``source:line``, for messages."""
-        return f"{self.source}:{self.line}" if self.line is not None else str(self.source)
-
-    @property
-    def source_name(self) -> str:
-        """What the pack records as its source: the file name (and ``:line`` for a jsonl line), no folders."""
-        return f"{self.source.name}:{self.line}" if self.line is not None else self.source.name
+_DONE = ("built", "replaced", "up_to_date")
 
 
 @dataclass(frozen=True)
 class BuildResult:
-    """What ``build`` did for one context.
+    """What a build did for one context (or one part of a split context).
 
     Attributes:
-        name: the context's name.
-        path: the ``.kvpack`` file.
-        tokens: length of the cached sequence in tokens (chat-template prefix + context).
+        name: the pack's name relative to the output folder (``a/notes``; see ``kvpack.names``).
+        path: the ``.kvpack`` file (written, existing, or where it would have been written).
+        tokens: length of the cached sequence in tokens (chat-template prefix + context); 0 if unknown.
         entries_kept: KV entries stored, over all layers and KV heads (attention-sink entries included).
-        bytes_written: size of the ``.kvpack`` file in bytes (written by this run, or the existing file when
-            skipped).
+        bytes_written: size of the ``.kvpack`` file in bytes (0 for a failed context).
         seconds: wall time spent on this context (compressing and writing, or checking the existing file).
-        skipped: ``True`` when an up-to-date file already existed and nothing was written.
+        status: ``"built"``, ``"replaced"`` (an existing pack with other settings was rebuilt), ``"up_to_date"``
+            or ``"failed"``.
+        error: why a ``failed`` context was not built.
+        source, id, line, part, parts: as ``Context``.
     """
 
     name: str
@@ -100,130 +93,51 @@ class BuildResult:
     entries_kept: int
     bytes_written: int
     seconds: float
-    skipped: bool
+    status: str
+    error: str | None = None
+    source: str = ""
+    id: str | None = None
+    line: int | None = None
+    part: int | None = None
+    parts: int | None = None
+
+    @property
+    def skipped(self) -> bool:
+        """Whether the pack was already up to date (nothing written)."""
+        return self.status == "up_to_date"
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# discovering contexts
+@dataclass
+class _Item:
+    ctx: Context
+    path: Path
+    header: PackHeader | None = None  # verified header of an up-to-date pack
+    known_failure: str | None = None  # recorded reason it is too long for this model (same text, settings, model)
+    parts: list[tuple[Context, PackHeader]] = field(default_factory=list)  # up-to-date parts of a split context
 
 
-def discover_contexts(inputs: Iterable[str | os.PathLike]) -> list[Context]:
-    """Read the contexts in ``inputs`` (files or folders), in a deterministic order.
+@dataclass
+class BuildPlan:
+    """What ``plan_build`` found: the contexts in order, each up to date (``header`` or ``parts`` set), failed
+    (``ctx.error``) or to build. ``needs_model`` says whether ``run_build`` needs a model."""
 
-    Folders are walked recursively in sorted order; files and folders whose names start with ``.`` are ignored,
-    as are files with a suffix other than ``.txt``, ``.md`` and ``.jsonl``. Inputs are taken in the order given;
-    a file reached twice (named, and inside a named folder) is read once.
+    out: Path
+    settings: dict[str, Any]
+    model_id: dict[str, Any] | None
+    overwrite: bool
+    items: list[_Item]
+    records: dict[str, dict[str, Any]]
 
-    * ``.txt``, ``.md``: the whole file (UTF-8) is one context named after the file stem (``notes.md`` -> ``notes``).
-    * ``.jsonl``: one JSON object per non-blank line, with a string ``"text"`` and an optional ``"id"`` (string or
-      integer); the context is named ``<stem>-<id>``, or ``<stem>-<line number>`` without an id.
+    @property
+    def needs_model(self) -> bool:
+        """Whether any context is to be built (so the model must be loaded)."""
+        return any(it.ctx.error is None and it.header is None and not it.parts and it.known_failure is None
+                   for it in self.items)
 
-    Characters other than letters, digits, ``.``, ``_`` and ``-`` in names are replaced by ``_``.
-
-    Returns:
-        The contexts, at least one.
-
-    Raises:
-        InputError: a path does not exist; an explicitly named file has an unsupported suffix; a file is not UTF-8
-            or cannot be read; a jsonl line is not a JSON object with a string ``text`` (or has a bad ``id``); a
-            text is empty; two contexts get the same output name (compared case-insensitively, so the packs
-            can live side by side on any file system); no context was found at all.
-    """
-    inputs = list(inputs)
-    if not inputs:
-        raise InputError("no input given; pass one or more .txt, .md or .jsonl files or folders holding them")
-    contexts: list[Context] = []
-    for item in inputs:
-        path = Path(item)
-        if path.is_dir():
-            for file in _walk(path):
-                contexts.extend(_read_file(file))
-        elif path.is_file():
-            if path.suffix.lower() not in SUFFIXES:
-                raise InputError(f"{path}: unsupported file type {path.suffix or '(no suffix)'!r}; kvpack build "
-                                 f"reads {', '.join(SUFFIXES)} files (convert it to .txt, or pass a folder)")
-            contexts.extend(_read_file(path))
-        elif path.exists():
-            raise InputError(f"{path}: not a regular file or folder; pass .txt, .md or .jsonl files or folders")
-        else:
-            raise InputError(f"{path}: no such file or folder; check the path")
-    if not contexts:
-        raise InputError(f"no .txt, .md or .jsonl files found in {', '.join(str(i) for i in inputs)}; "
-                         "pass files or folders that hold some")
-    seen: dict[str, Context] = {}
-    unique, keys = [], set()
-    for ctx in contexts:  # a file named twice (or a file and its folder) counts once
-        key = (ctx.source.resolve(), ctx.line)
-        if key not in keys:
-            keys.add(key)
-            unique.append(ctx)
-    contexts = unique
-    for ctx in contexts:
-        other = seen.get(ctx.name.casefold())
-        if other is not None:
-            raise InputError(
-                f"{other.where} and {ctx.where} would both be written to {ctx.name}.kvpack; rename one of the "
-                "files (or give the jsonl lines distinct ids), or build them into different --out folders"
-            )
-        seen[ctx.name.casefold()] = ctx
-    return contexts
-
-
-def _walk(folder: Path) -> list[Path]:
-    """Supported files under ``folder``, recursively, sorted by path; hidden entries skipped."""
-    found = []
-    for root, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for f in sorted(files):
-            if not f.startswith(".") and Path(f).suffix.lower() in SUFFIXES:
-                found.append(Path(root) / f)
-    return sorted(found, key=lambda p: p.relative_to(folder).parts)
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise InputError(f"{path}: not valid UTF-8 text (byte {exc.start}); save the file as UTF-8") from None
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read: {exc.strerror or exc}; check the path and permissions") from None
-
-
-def _safe_name(name: str) -> str:
-    return _UNSAFE_NAME_CHARS.sub("_", name).strip(".") or "_"
-
-
-def _read_file(path: Path) -> list[Context]:
-    text = _read_text(path)
-    stem = _safe_name(path.stem)
-    if path.suffix.lower() != ".jsonl":
-        if not text.strip():
-            raise InputError(f"{path}: the file is empty; remove it or give it some text")
-        return [Context(stem, text, path)]
-    out = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); each line must be one "
-                             'JSON object like {"id": "doc1", "text": "..."}') from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-            raise InputError(f'{where}: no string "text" field; each line must be one JSON object like '
-                             '{"id": "doc1", "text": "..."}')
-        if not obj["text"].strip():
-            raise InputError(f'{where}: the "text" field is empty; give it some text or remove the line')
-        ident = obj.get("id")
-        if ident is None:
-            ident = number
-        elif isinstance(ident, bool) or not isinstance(ident, (str, int)) or str(ident) == "":
-            raise InputError(f'{where}: "id" must be a non-empty string or an integer, got {json.dumps(ident)}')
-        out.append(Context(f"{stem}-{_safe_name(str(ident))}", obj["text"], path, number))
-    if not out:
-        raise InputError(f"{path}: no lines; remove the file or add lines like " '{"id": "doc1", "text": "..."}')
-    return out
+    @property
+    def up_to_date(self) -> int:
+        """Packs found up to date without the model."""
+        return sum(1 if it.header is not None else len(it.parts) for it in self.items)
 
 
 def default_out_dir(inputs: Iterable[str | os.PathLike]) -> Path:
@@ -243,117 +157,34 @@ def default_out_dir(inputs: Iterable[str | os.PathLike]) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# building
+# settings and plan (no model)
 
 
-def build(contexts: Iterable[Context], model, tokenizer, *, out_dir: str | os.PathLike, method: str = "kvzip",
-          ratio: float = DEFAULT_RATIO, chunk_size: int = DEFAULT_CHUNK_SIZE, overwrite: bool = False,
-          progress_factory: Callable[..., Any] | None = None, quant: str = C.QUANT_NONE,
-          group_size: int = C.DEFAULT_GROUP_SIZE, zstd_level: int = C.DEFAULT_ZSTD_LEVEL,
-          checksum: str = C.DEFAULT_CHECKSUM, **options) -> list[BuildResult]:
-    """Compress every context with ``kvpack.compress`` and write ``<out_dir>/<name>.kvpack`` (atomically).
-
-    An existing output file is kept (the context is skipped) when it is a valid pack (``verify``: every
-    checksum) built from the same text (SHA-256) with the same method, method parameters, ratio, quantization
-    (type and group size), zstd level and checksum algorithm, by the same model: the fingerprint's weights and
-    tokenizer hashes, architecture, shapes, RoPE and KV dtype (not the path the model was loaded from). A damaged or unreadable
-    existing file is rebuilt, not reported as an error. ``overwrite=True`` rebuilds everything. Contexts are built
-    in order; an error stops the build, and the packs already written stay (a re-run skips them).
-
-    Args:
-        contexts: from ``discover_contexts`` (names must be distinct).
-        model, tokenizer: from ``kvpack.load_model``.
-        out_dir: output folder, created if missing.
-        method, ratio, chunk_size, quant, group_size, **options: as for ``kvpack.compress``.
-        zstd_level: as for ``kvpack.save``, but 3 by default (as ``kvpack build``); 0 stores tensors raw.
-        checksum: the tensor checksum, ``"xxh3"`` (default) or ``"sha256"``, as for ``kvpack.save``.
-        overwrite: rebuild even up-to-date files.
-        progress_factory: called once, when at least one context is to be built, as
-            ``progress_factory(total=T, initial=S)`` with ``T`` the tokens of all contexts and ``S`` those of the
-            skipped ones; must return an object with ``update(tokens)`` and ``close()`` (``tqdm.tqdm`` fits).
-            Tokens are those of the cached sequence (chat-template prefix + context).
+def build_settings(*, method: str = "kvzip", ratio: float = DEFAULT_RATIO, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                   quant: str = C.QUANT_NONE, group_size: int = C.DEFAULT_GROUP_SIZE,
+                   zstd_level: int = C.DEFAULT_ZSTD_LEVEL, checksum: str = C.DEFAULT_CHECKSUM, **options) -> dict:
+    """The validated settings of a build, as JSON (what an up-to-date pack records), without a model.
 
     Returns:
-        One ``BuildResult`` per context, in order.
+        ``{"method", "method_params", "ratio", "quant": [type, group size, layout] (``[none, None, None]``),
+        "zstd_level", "checksum", "chunk_size", "options"}``; ``ratio`` is the one recorded (1.0 for ``none``).
 
     Raises:
-        InputError: bad method, option, ratio, chunk size, quantization, zstd level or checksum (checked before
-            anything is written); a context ``compress`` refuses (e.g. too long for the model); ``out_dir`` cannot
-            be created or written.
-        UnsupportedModelError: the model is not supported.
+        InputError: bad method, option, ratio, chunk size, quantization, group size, zstd level or checksum.
     """
-    contexts = list(contexts)
-    expected = _expected_settings(model, tokenizer, method, ratio, chunk_size, options)
-    expected.update(_storage_settings(model, quant, group_size, zstd_level, checksum))
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise InputError(f"cannot create the output folder {out}: {exc.strerror or exc}; pass another --out") from None
-    if not out.is_dir():
-        raise InputError(f"the output path {out} is not a folder; pass another --out")
-
-    # plan: which files are up to date, and how many tokens each context is
-    layout = chat_layout(tokenizer)
-    prefix_tokens = len(layout.prefix_ids(tokenizer))
-    plan: list[tuple[Context, Path, BuildResult | None, int]] = []
-    for ctx in contexts:
-        t0 = time.perf_counter()
-        path = out / f"{ctx.name}{C.FILE_SUFFIX}"
-        header = None if overwrite else _up_to_date(path, ctx.text, expected)
-        if header is not None:
-            result = BuildResult(ctx.name, path, header.tokens, header.entries, header.file_bytes,
-                                 time.perf_counter() - t0, True)
-            plan.append((ctx, path, result, header.tokens))
-        else:
-            plan.append((ctx, path, None, prefix_tokens + len(layout.encode(tokenizer, ctx.text))))
-
-    bar = None
-    if progress_factory is not None and any(p[2] is None for p in plan):
-        bar = progress_factory(total=sum(p[3] for p in plan), initial=sum(p[3] for p in plan if p[2] is not None))
-    results = []
-    try:
-        for ctx, path, skipped, tokens in plan:
-            if skipped is not None:
-                results.append(skipped)
-                continue
-            t0 = time.perf_counter()
-            tracker = _Progress(bar, tokens, stages=1 if ratio >= 1.0 else 2)
-            pack = compress(model, tokenizer, ctx.text, method=method, ratio=ratio, chunk_size=chunk_size,
-                            source_name=ctx.source_name, progress=tracker, quant=quant, group_size=group_size,
-                            quant_layout=expected["quant"][2], **options)
-            written = save(pack, path, zstd_level=zstd_level, checksum=checksum)
-            tracker.finish()
-            results.append(BuildResult(ctx.name, path, pack.original_tokens, pack.kept_entries(), written,
-                                       time.perf_counter() - t0, False))
-    finally:
-        if bar is not None:
-            bar.close()
-    return results
-
-
-def _expected_settings(model, tokenizer, method: str, ratio: float, chunk_size: int, options: dict) -> dict:
-    """The metadata an up-to-date pack carries; validates the arguments the way ``compress`` does."""
     if not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0.0 < ratio <= 1.0):
         raise InputError(f"ratio must be in (0, 1] (the fraction of KV entries kept), got {ratio!r}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise InputError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}")
     scorer = get_method(method, {"chunk_size": chunk_size}, **options)  # the same default compress applies
-    fingerprint = model_fingerprint(model, tokenizer)
-    return {"method": scorer.name, "method_params": json.loads(json.dumps(scorer.params())),
-            "ratio": float(scorer.kept_ratio(ratio)), "fingerprint": _comparable(fingerprint)}
-
-
-def _storage_settings(model, quant: str, group_size: int, zstd_level: int, checksum: str) -> dict:
-    """How an up-to-date pack is stored: ``quant`` (type, group size or None), ``zstd_level`` and ``checksum``;
-    validates them."""
     if quant != C.QUANT_NONE:
-        spec = model_spec(model)
-        check_quant_args(quant, group_size, spec.head_dim, spec.head_dim, allowed_group_sizes=C.GROUP_SIZES)
+        check_quant_args(quant, group_size, allowed_group_sizes=C.GROUP_SIZES)
     check_storage_args(zstd_level, checksum)
-    layout = quant_layout_for(checksum)
-    return {"quant": (quant, group_size, layout) if quant != C.QUANT_NONE else (C.QUANT_NONE, None, None),
-            "zstd_level": zstd_level, "checksum": checksum}
+    stored = [quant, group_size, quant_layout_for(checksum)] if quant != C.QUANT_NONE else [C.QUANT_NONE, None, None]
+    return json.loads(json.dumps({
+        "method": scorer.name, "method_params": scorer.params(), "ratio": float(scorer.kept_ratio(ratio)),
+        "quant": stored, "zstd_level": zstd_level, "checksum": checksum, "chunk_size": chunk_size,
+        "options": options}))
 
 
 def quant_layout_for(checksum: str) -> str:
@@ -362,34 +193,324 @@ def quant_layout_for(checksum: str) -> str:
     return C.QUANT_LAYOUT_COMPACT if checksum == C.CHECKSUM_XXH3 else C.QUANT_LAYOUT_KIVI
 
 
-def _comparable(fingerprint: Any) -> dict:
-    if not isinstance(fingerprint, dict):
-        return {}
-    return {k: v for k, v in fingerprint.items() if k not in _IGNORED_FINGERPRINT_FIELDS}
+def plan_build(contexts: Iterable[Context], out_dir: str | os.PathLike, settings: dict, *,
+               model_id: dict | None = None, overwrite: bool = False, split: bool = False) -> BuildPlan:
+    """Check ``out_dir`` is a writable folder and find the up-to-date packs, without a model.
+
+    A pack is up to date here when the manifest's last record for it says it was built from this text with these
+    ``settings`` by the model ``model_id`` names (a local folder's ``kvpack.model.model_identity``; ``None`` or a
+    hub id trusts nothing), and the pack verifies, records the same text and settings, and the same weights hash
+    as the record. A split context is up to date when all its recorded parts are. Without ``split``, a context the
+    manifest records as too long for that same model, text and settings is known to fail again.
+
+    Args:
+        contexts: from ``discover_contexts`` (names distinct).
+        out_dir: the output folder; created if missing.
+        settings: from ``build_settings``.
+        overwrite: find nothing up to date (rebuild everything).
+        split: the run will split contexts that are too long (so recorded "too long" failures are retried).
+
+    Raises:
+        InputError: ``out_dir`` cannot be created, is not a folder, or cannot be written.
+    """
+    out = Path(out_dir)
+    _check_writable(out)
+    records = read_manifest(out)
+    trusted = model_id is not None and model_id.get("local") is True
+    items = []
+    for ctx in contexts:
+        item = _Item(ctx, out / ctx.pack)
+        if ctx.error is None and trusted and not overwrite:
+            sha = _sha(ctx.text)
+            item.header = _recorded(out, records.get(ctx.pack), sha, settings, model_id)
+            if item.header is None:
+                item.parts = _recorded_parts(out, ctx, records, sha, settings, model_id)
+            rec = records.get(ctx.pack)
+            if not split and not item.parts and isinstance(rec, dict) and rec.get("status") == "failed" and rec.get(
+                    "kind") == "too_long" and rec.get("source_sha256") == sha and rec.get("settings") == settings \
+                    and rec.get("model") == model_id and isinstance(rec.get("error"), str):
+                item.known_failure = rec["error"]
+        items.append(item)
+    return BuildPlan(out, settings, model_id, overwrite, items, records)
 
 
-def _up_to_date(path: Path, text: str, expected: dict) -> PackHeader | None:
-    """The verified header of ``path`` if it holds a pack of ``text`` built with ``expected``, else ``None``."""
+def _check_writable(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise InputError(f"the output path {out} is not a folder; pass another --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"cannot create the output folder {out}: {exc.strerror or exc}; pass another --out") from None
+    if not out.is_dir():
+        raise InputError(f"the output path {out} is not a folder; pass another --out")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".kvpack-write-test-", dir=out)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as exc:
+        raise InputError(f"cannot write to the output folder {out}: {exc.strerror or exc}; pass another --out "
+                         "or fix its permissions") from None
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _recorded(out: Path, record: dict | None, sha: str, settings: dict, model_id: dict, part: bool = False
+              ) -> PackHeader | None:
+    """The verified header of the pack ``record`` describes, if it is up to date (see ``plan_build``). A part's
+    pack records its own text's hash, which only its record ties to the document's (``part``)."""
+    if not isinstance(record, dict) or record.get("status") not in _DONE or record.get("source_sha256") != sha:
+        return None
+    if record.get("settings") != settings or record.get("model") != model_id:
+        return None
+    header = _matching_header(out / record["pack"], None if part else sha, settings)
+    if header is None or (header.metadata.get("fingerprint") or {}).get("weights_sha256") != record.get(
+            "weights_sha256") or header.file_bytes != record.get("bytes"):
+        return None
+    return header
+
+
+def _recorded_parts(out: Path, ctx: Context, records: dict, sha: str, settings: dict, model_id: dict
+                    ) -> list[tuple[Context, PackHeader]]:
+    first = records.get(part_name(ctx.name, 1) + ".kvpack")
+    n = first.get("parts") if isinstance(first, dict) else None
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 100_000:
+        return []
+    found = []
+    for k in range(1, n + 1):
+        rec = records.get(part_name(ctx.name, k) + ".kvpack")
+        if not isinstance(rec, dict) or rec.get("parts") != n or rec.get("part") != k:
+            return []
+        header = _recorded(out, rec, sha, settings, model_id, part=True)
+        if header is None:
+            return []
+        found.append((Context(part_name(ctx.name, k), None, ctx.source, ctx.file, ctx.id, ctx.line, k, n), header))
+    return found
+
+
+def _header_settings(header: PackHeader) -> dict:
+    meta = header.metadata
+    quant = ([header.quant_type, header.group_size, header.quant_layout] if header.group_size
+             else [C.QUANT_NONE, None, None])
+    return {"method": meta.get("method"), "method_params": meta.get("method_params"), "ratio": meta.get("ratio"),
+            "quant": quant, "zstd_level": header.zstd_level, "checksum": header.checksum}
+
+
+def _matching_header(path: Path, sha: str | None, settings: dict) -> PackHeader | None:
+    """The verified header of ``path`` if it holds a pack of the text with SHA-256 ``sha`` (any, if ``None``) built
+    with ``settings`` (model not compared), else ``None`` (missing, damaged or foreign files included)."""
     if not path.is_file():
         return None
     try:
         header = verify(path)
     except KvpackError:
         return None  # damaged or foreign: rebuild it
-    meta = header.metadata
-    source = meta.get("source") if isinstance(meta.get("source"), dict) else {}
-    if source.get("sha256") != hashlib.sha256(text.encode("utf-8")).hexdigest():
+    source = header.metadata.get("source")
+    if not isinstance(source, dict) or (sha is not None and source.get("sha256") != sha):
         return None
-    if any(meta.get(k) != expected[k] for k in ("method", "method_params", "ratio")):
-        return None
-    if _comparable(meta.get("fingerprint")) != expected["fingerprint"]:
-        return None
-    stored = (header.quant_type, header.group_size, header.quant_layout)
-    if stored != expected["quant"] or header.zstd_level != expected["zstd_level"]:
-        return None
-    if header.checksum != expected["checksum"]:
-        return None
-    return header
+    want = {k: settings[k] for k in ("method", "method_params", "ratio", "quant", "zstd_level", "checksum")}
+    return header if _header_settings(header) == want else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# running
+
+
+def run_build(plan: BuildPlan, model=None, tokenizer=None, *, split: bool = False, fail_fast: bool = False,
+              progress_factory: Callable[..., Any] | None = None) -> Iterator[BuildResult]:
+    """Build the planned contexts in order, yielding one ``BuildResult`` per context (per part when split).
+
+    Contexts up to date in the plan are reported (and re-recorded) first in their place; the others are checked
+    against the model's fingerprint (an existing pack built by this model with these settings is up to date) and
+    otherwise compressed with ``kvpack.compress`` and saved atomically. A context too long for the model
+    (``kvpack.compress.max_context_tokens``) fails, or with ``split`` is cut at paragraph boundaries into parts
+    ``NAME.part-001``, ... that each fit. A context that cannot be built (``KvpackError`` or ``OSError``: too long,
+    unwritable) is yielded as ``failed``; with ``fail_fast`` the run then stops. Every result is appended to the
+    manifest as it is made; the manifest is compacted when the run ends, is interrupted (``KeyboardInterrupt``
+    propagates) or the generator is closed.
+
+    Args:
+        plan: from ``plan_build``.
+        model, tokenizer: from ``kvpack.load_model``; needed only when ``plan.needs_model``.
+        split: cut contexts that are too long instead of failing them.
+        fail_fast: stop after the first failed context.
+        progress_factory: called once, when a context is to be built, as ``progress_factory(total=T)`` with ``T``
+            the tokens of the contexts to build; must return an object with ``update(tokens)``, ``close()`` and
+            ``set_description(str)`` (``tqdm.tqdm`` fits): the description names the context being built.
+
+    Raises:
+        InputError: a model is needed but not given; the quantization does not fit the model's head size.
+        UnsupportedModelError: the model is not supported.
+    """
+    expected, limit, layout, prefix = None, None, None, 0
+    if plan.needs_model:
+        if model is None or tokenizer is None:
+            raise InputError("some contexts need building, so run_build needs the model and tokenizer")
+        q = plan.settings["quant"]
+        if q[0] != C.QUANT_NONE:
+            spec = model_spec(model)
+            check_quant_args(q[0], q[1], spec.head_dim, spec.head_dim, allowed_group_sizes=C.GROUP_SIZES)
+        expected = _comparable(model_fingerprint(model, tokenizer))
+        limit = max_context_tokens(model)
+        layout = chat_layout(tokenizer)
+        prefix = len(layout.prefix_ids(tokenizer))
+    model_id = plan.model_id if plan.model_id is not None else {"name": getattr(model, "kvpack_name", None)}
+    run = _Run(plan, model, tokenizer, model_id, progress_factory)
+    with ManifestWriter(plan.out, plan.records) as manifest:
+        run.manifest = manifest
+        try:
+            todo = [it for it in plan.items if it.ctx.error is None and it.header is None and not it.parts
+                    and it.known_failure is None]
+            sizes = {id(it): prefix + len(layout.encode_text(tokenizer, it.ctx.text)) for it in todo}
+            for item in plan.items:
+                for result in run.item(item, sizes.get(id(item)), limit, split, layout, tokenizer, expected,
+                                       sum(sizes.values())):
+                    yield result
+                    if fail_fast and result.status == "failed":
+                        return
+        finally:
+            run.close()
+
+
+class _Run:
+    """State of one ``run_build``: the manifest, the progress bar, and how one item becomes results."""
+
+    def __init__(self, plan: BuildPlan, model, tokenizer, model_id: dict, progress_factory):
+        self.plan, self.model, self.tokenizer, self.model_id = plan, model, tokenizer, model_id
+        self.progress_factory, self.bar, self.manifest = progress_factory, None, None
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def record(self, result: BuildResult, sha: str | None, weights: str | None, kind: str | None = None
+               ) -> BuildResult:
+        self.manifest.write({
+            "pack": result.name + C.FILE_SUFFIX, "source": result.source, "id": result.id, "line": result.line,
+            "part": result.part, "parts": result.parts, "status": result.status, "error": result.error,
+            "tokens": result.tokens, "entries_kept": result.entries_kept, "bytes": result.bytes_written,
+            "source_sha256": sha, "settings": self.plan.settings, "model": self.model_id,
+            "weights_sha256": weights, "kind": kind, "time": time.time()})
+        return result
+
+    def result(self, ctx: Context, path: Path, status: str, t0: float, sha: str | None, *,
+               header: PackHeader | None = None, tokens: int = 0, entries: int = 0, size: int = 0,
+               error: str | None = None, kind: str | None = None) -> BuildResult:
+        if header is not None:
+            tokens, entries, size = header.tokens, header.entries, header.file_bytes
+        res = BuildResult(ctx.name, path, tokens, entries, size, time.perf_counter() - t0, status, error,
+                          ctx.source, ctx.id, ctx.line, ctx.part, ctx.parts)
+        weights = (header.metadata.get("fingerprint") or {}).get("weights_sha256") if header is not None else None
+        return self.record(res, sha, weights, kind)
+
+    def item(self, item: _Item, tokens: int | None, limit: int | None, split: bool, layout, tokenizer,
+             expected: dict | None, total: int) -> Iterator[BuildResult]:
+        ctx, t0 = item.ctx, time.perf_counter()
+        sha = _sha(ctx.text) if ctx.text is not None else None  # of the whole document, recorded for its parts too
+        if item.header is not None:
+            yield self.result(ctx, item.path, "up_to_date", t0, sha, header=item.header)
+            return
+        if item.parts:
+            for part, header in item.parts:
+                yield self.result(part, self.plan.out / part.pack, "up_to_date", t0, sha, header=header)
+            return
+        if ctx.error is not None or item.known_failure is not None:
+            kind = "too_long" if item.known_failure is not None else None
+            yield self.result(ctx, item.path, "failed", t0, sha, error=ctx.error or item.known_failure, kind=kind)
+            return
+        pieces = [ctx]
+        if limit is not None and tokens > limit:
+            if not split:
+                yield self.result(ctx, item.path, "failed", t0, sha, tokens=tokens, kind="too_long", error=(
+                    f"{tokens:,} tokens is too long for this model (at most {limit:,}); pass --split to cut it "
+                    "at paragraph boundaries into parts that fit"))
+                return
+            prefix = tokens - len(layout.encode_text(tokenizer, ctx.text))
+            try:
+                texts = split_text(ctx.text, lambda t: prefix + len(layout.encode_text(tokenizer, t)) <= limit)
+            except InputError as exc:
+                yield self.result(ctx, item.path, "failed", t0, sha, tokens=tokens, error=str(exc))
+                return
+            pieces = ctx.parts_of(texts)
+        for piece in pieces:
+            yield self.build_one(piece, sha, expected, total, t0 if len(pieces) == 1 else time.perf_counter(),
+                                 tokens if len(pieces) == 1 else None, layout, tokenizer)
+
+    def build_one(self, ctx: Context, sha: str, expected: dict, total: int, t0: float, tokens: int | None, layout,
+                  tokenizer) -> BuildResult:
+        path = self.plan.out / ctx.pack
+        if not self.plan.overwrite:
+            header = _matching_header(path, _sha(ctx.text), self.plan.settings)
+            if header is not None and _comparable(header.metadata.get("fingerprint")) == expected:
+                return self.result(ctx, path, "up_to_date", t0, sha, header=header)
+        if tokens is None:
+            tokens = len(layout.prefix_ids(tokenizer)) + len(layout.encode_text(tokenizer, ctx.text))
+        if self.bar is None and self.progress_factory is not None:
+            self.bar = self.progress_factory(total=total)
+        if self.bar is not None and hasattr(self.bar, "set_description"):
+            self.bar.set_description(ctx.name, refresh=True)
+        existed = path.exists()
+        tracker = _Progress(self.bar, tokens, stages=1 if self.plan.settings["ratio"] >= 1.0 else 2)
+        s = self.plan.settings
+        try:
+            pack = compress(self.model, self.tokenizer, ctx.text, method=s["method"], ratio=s["ratio"],
+                            chunk_size=s["chunk_size"], source_name=ctx.source_name, progress=tracker,
+                            quant=s["quant"][0], group_size=s["quant"][1] or C.DEFAULT_GROUP_SIZE,
+                            quant_layout=s["quant"][2] or C.DEFAULT_QUANT_LAYOUT, **s["options"])
+            path.parent.mkdir(parents=True, exist_ok=True)
+            written = save(pack, path, zstd_level=s["zstd_level"], checksum=s["checksum"])
+        except (KvpackError, OSError, torch.OutOfMemoryError) as exc:
+            tracker.finish()
+            return self.result(ctx, path, "failed", t0, sha, tokens=tokens, error=_reason(exc, path))
+        tracker.finish()
+        res = BuildResult(ctx.name, path, pack.original_tokens, pack.kept_entries(), written,
+                          time.perf_counter() - t0, "replaced" if existed else "built", None, ctx.source, ctx.id,
+                          ctx.line, ctx.part, ctx.parts)
+        return self.record(res, sha, pack.metadata["fingerprint"].get("weights_sha256"))
+
+
+def _reason(exc: BaseException, path: Path) -> str:
+    if isinstance(exc, OSError):
+        return f"cannot write {path}: {exc.strerror or exc}; check the output folder"
+    if isinstance(exc, torch.OutOfMemoryError):
+        return "out of memory; use a smaller --chunk-size, --split, or a bigger device"
+    return str(exc)
+
+
+def build(contexts: Iterable[Context], model, tokenizer, *, out_dir: str | os.PathLike, method: str = "kvzip",
+          ratio: float = DEFAULT_RATIO, chunk_size: int = DEFAULT_CHUNK_SIZE, overwrite: bool = False,
+          progress_factory: Callable[..., Any] | None = None, quant: str = C.QUANT_NONE,
+          group_size: int = C.DEFAULT_GROUP_SIZE, zstd_level: int = C.DEFAULT_ZSTD_LEVEL,
+          checksum: str = C.DEFAULT_CHECKSUM, split: bool = False, fail_fast: bool = False,
+          model_id: dict | None = None, **options) -> list[BuildResult]:
+    """``build_settings`` + ``plan_build`` + ``run_build``: compress every context into ``<out_dir>/<name>.kvpack``.
+
+    Args:
+        contexts: from ``discover_contexts``.
+        model, tokenizer: from ``kvpack.load_model``.
+        out_dir: output folder, created if missing.
+        method, ratio, chunk_size, quant, group_size, zstd_level, checksum, **options: as ``build_settings``.
+        overwrite, model_id: as ``plan_build``. split, fail_fast, progress_factory: as ``run_build``.
+
+    Returns:
+        One ``BuildResult`` per context (per part of a split one), in order; failed ones have ``error`` set.
+
+    Raises:
+        InputError: bad settings or ``out_dir`` (before anything is written).
+        UnsupportedModelError: the model is not supported.
+    """
+    settings = build_settings(method=method, ratio=ratio, chunk_size=chunk_size, quant=quant, group_size=group_size,
+                              zstd_level=zstd_level, checksum=checksum, **options)
+    plan = plan_build(contexts, out_dir, settings, model_id=model_id, overwrite=overwrite, split=split)
+    return list(run_build(plan, model, tokenizer, split=split, fail_fast=fail_fast,
+                          progress_factory=progress_factory))
+
+
+def _comparable(fingerprint: Any) -> dict:
+    if not isinstance(fingerprint, dict):
+        return {}
+    return {k: v for k, v in fingerprint.items() if k not in _IGNORED_FINGERPRINT_FIELDS}
 
 
 class _Progress:
@@ -459,3 +580,21 @@ def check_compatible(header: PackHeader, model, tokenizer=None, *, path: str = "
     if tokenizer is None:
         stored.pop("tokenizer_sha256", None)
     check_fingerprint(stored, model_fingerprint(model, tokenizer), path=path)
+
+
+def summary(results: Iterable[BuildResult], out_dir: str | os.PathLike, *, interrupted: bool = False) -> dict:
+    """A JSON-serialisable summary of a build: counts per status (``built``, ``up_to_date``, ``replaced``,
+    ``failed``), ``bytes_written`` (bytes of packs written by this run), ``seconds``, ``interrupted``, and one
+    entry per result under ``contexts`` (``pack`` relative to ``out``, ``source``, ``id``, ``line``, ``part``,
+    ``status``, ``error``, ``tokens``, ``entries_kept``, ``bytes``, ``seconds``)."""
+    results = list(results)
+    counts = {s: sum(r.status == s for r in results) for s in ("built", "up_to_date", "replaced", "failed")}
+    return {
+        "out": str(out_dir), **counts, "interrupted": interrupted,
+        "bytes_written": sum(r.bytes_written for r in results if r.status in ("built", "replaced")),
+        "seconds": round(sum(r.seconds for r in results), 3),
+        "contexts": [{"pack": r.name + C.FILE_SUFFIX, "source": r.source, "id": r.id, "line": r.line,
+                      "part": r.part, "status": r.status, "error": r.error, "tokens": r.tokens,
+                      "entries_kept": r.entries_kept, "bytes": r.bytes_written, "seconds": round(r.seconds, 3)}
+                     for r in results],
+    }

@@ -119,9 +119,9 @@ class KvpackCache(Cache):
 
         ids = torch.cat([cache.context_ids, question_ids], dim=-1)
         out = model.generate(ids, past_key_values=cache, max_new_tokens=32)
-        cache.rewind()  # before reusing the cache for another question
 
-    The model must use the ``"kvpack"`` attention (``kvpack.load`` switches it). Batch size 1.
+    The model must use the ``"kvpack"`` attention (``kvpack.load`` switches it, and hooks ``generate`` so that each
+    call checks its input and rewinds the cache first: ``prepare_generate``). Batch size 1.
 
     Attributes:
         token_ids: ``[tokens]`` int64 ids of the original cached sequence (prefix + context), on CPU.
@@ -147,6 +147,27 @@ class KvpackCache(Cache):
         """Drop every token appended since loading (question and answer), restoring the loaded state exactly."""
         for layer in self.layers:
             layer.rewind()
+
+    def prepare_generate(self, input_ids: torch.Tensor) -> None:
+        """Called (by the hook ``kvpack.load`` installs) when ``model.generate`` starts on this cache: check that
+        ``input_ids`` ``[1, tokens + question_tokens]`` start with the cached context, then ``rewind()``, so the
+        tokens after the context are fed afresh. A cache reused without ``rewind()`` thus answers as a fresh one
+        (a conversation continues by passing it whole).
+
+        Raises:
+            InputError: a batch larger than one; ``input_ids`` that do not start with the context's ids (e.g. only
+                the question's); the message says what to pass.
+        """
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise InputError(f"a loaded KvpackCache serves one sequence, got input_ids of shape {list(input_ids.shape)}"
+                             "; call generate once per question (batch size 1), or load one cache per sequence")
+        n = self.original_length
+        if input_ids.shape[1] <= n or not torch.equal(input_ids[0, :n].cpu(), self.token_ids):
+            raise InputError(f"input_ids ({input_ids.shape[1]} tokens) do not start with the cached context's {n} "
+                             "token ids; pass the context's ids followed by the question's, "
+                             "torch.cat([cache.context_ids, question_ids], dim=-1), which "
+                             "kvpack.generation.question_input_ids(tokenizer, cache, question) builds")
+        self.rewind()
 
     def kept_entries(self) -> torch.Tensor:
         """``[layers, kv_heads]`` int64 kept entries per head (padding excluded)."""

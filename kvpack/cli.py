@@ -1,42 +1,48 @@
 """The ``kvpack`` command line: parses arguments, calls the library, formats the results.
 
-    kvpack build docs/ --ratio 0.3          # one .kvpack per document, in ../packs beside docs/
-    kvpack info packs/notes.kvpack
-    kvpack verify packs/notes.kvpack --model PATH
-    kvpack ask packs/notes.kvpack "What is the secret code?"
+    kvpack build docs/ --ratio 0.3          # one .kvpack per document, mirrored in ../packs beside docs/
+    kvpack ls packs/
+    kvpack info packs/notes.kvpack packs/a/b.kvpack --json
+    kvpack verify packs/*.kvpack --model PATH
+    kvpack ask packs/notes.kvpack "What is the secret code?" "Who wrote it?"
 
 Every ``KvpackError`` is printed as ``error: <message>`` on stderr, without a traceback, and the exit status is 1;
-usage errors (bad options) keep click's status 2.
+usage errors (bad options) keep click's status 2. ``build`` exits 1 when a context failed and 130 when interrupted.
+The commands only parse and format: the work is in ``kvpack.build``, ``kvpack.listing`` and ``kvpack.generation``.
 """
 
 from __future__ import annotations
 
-import functools
+import json
 import sys
+import time
 from pathlib import Path
 
 import click
 
 from . import __version__
 from . import constants as C
-from .build import build as build_packs
-from .build import check_compatible, check_pack, default_out_dir, discover_contexts
+from .build import build_settings, check_compatible, default_out_dir, discover_contexts, plan_build, run_build
+from .build import summary as build_summary
 from .compress import DEFAULT_CHUNK_SIZE, DEFAULT_RATIO
 from .errors import InputError, KvpackError
 from .fileformat import load_pack, read_header
-from .generation import generate
+from .generation import answer
+from .listing import describe_pack, info_text, list_packs, verify_report
+from .listing import table as _table
 from .loading import cache_from_pack
 from .methods import METHODS
 from .methods.base import SCOPES
 from .methods.d2o import MERGE_MODES
 from .methods.kvzip_plus import SCORINGS
-from .model import load_model
+from .model import REFERENCE_MODEL_NAME, load_model, model_for_pack, model_identity
 
 __all__ = ["cli", "main"]
 
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-_MODEL_HELP = "Hugging Face model folder or hub id [default: the embedded reference model]."
+_MODEL_HELP = ("Hugging Face model folder (holding config.json), kvpack-reference (the embedded reference model) or "
+               "hub id (from the local cache when offline) [default: kvpack-reference].")
 
 
 class _Group(click.Group):
@@ -56,6 +62,18 @@ def _model_options(f):
     f = click.option("--device", type=click.Choice(_DEVICES), default="auto", show_default=True,
                      help="Where to run the model (auto: CUDA when available).")(f)
     return f
+
+
+def _threads_option(f):
+    return click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
+                        help="torch CPU threads (0: torch's default, which follows OMP_NUM_THREADS).")(f)
+
+
+def _set_threads(threads: int) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def _load(model: str | None, device: str, dtype: str):
@@ -150,35 +168,67 @@ def _method_params(method: str, given: dict) -> dict:
                    "(cryptographic; files readable by kvpack 0.1: v1 with --quant none --zstd-level 0, else v2).")
 @click.option("--overwrite", is_flag=True, help="Rebuild packs that are already up to date (a pack built with other "
                                                 "settings is always rebuilt and replaced).")
+@click.option("--split", is_flag=True, help="Cut a context longer than the model allows at paragraph boundaries into "
+                                            "parts NAME.part-001.kvpack, ... [default: skip it as failed].")
+@click.option("--fail-fast", is_flag=True, help="Stop at the first context that cannot be built [default: record it "
+                                                "and build the others].")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout (progress stays on stderr).")
+@_threads_option
 @_method_options
 def build(inputs, model_name, method, ratio, out_dir, device, dtype, chunk_size, quant, group_size, zstd_level,
-          checksum, overwrite, **method_options):
-    """Compress each document in INPUT... into <name>.kvpack.
+          checksum, overwrite, split, fail_fast, as_json, threads, **method_options):
+    """Compress each document in INPUT... into a .kvpack file; --out mirrors the input tree.
 
-    INPUT is .txt/.md files (one document each, named after the file), .jsonl files (one document per line:
-    {"id": ..., "text": ...}, named <file>-<id> or <file>-<line>) or folders of them, walked recursively.
-    Packs that are already up to date (same text, method, parameters, ratio, quantization, zstd level, checksum and
-    model) are skipped.
+    INPUT is .txt/.md files (one document each: a/notes.txt -> OUT/a/notes.kvpack), .jsonl files (one document
+    per line, {"id": ..., "text": ...}: data.jsonl -> OUT/data/<id>.kvpack) or folders of them, walked recursively.
+    Packs already up to date (same text, method, parameters, ratio, quantization, zstd level, checksum and model)
+    are kept; OUT/kvpack-manifest.jsonl records every pack. A document that cannot be built (empty, binary, not
+    UTF-8, too long) is reported and the others are built; the exit status is then 1 (130 when interrupted).
     The method options below apply to the methods named in their help; giving one to another method is an error.
     """
-    from tqdm import tqdm
-
     options = _method_params(method, method_options)
+    settings = build_settings(method=method, ratio=ratio, chunk_size=chunk_size, quant=quant,
+                              group_size=int(group_size), zstd_level=zstd_level, checksum=checksum, **options)
     contexts = discover_contexts(inputs)
     out = Path(out_dir) if out_dir is not None else default_out_dir(inputs)
-    model, tokenizer = _load(model_name, device, dtype)
-    bar = functools.partial(tqdm, unit="tok", unit_scale=True, desc="compressing",
-                            file=sys.stderr, dynamic_ncols=True)
-    results = build_packs(contexts, model, tokenizer, out_dir=out, method=method, ratio=ratio,
-                          chunk_size=chunk_size, overwrite=overwrite, progress_factory=bar, quant=quant,
-                          group_size=int(group_size), zstd_level=zstd_level, checksum=checksum, **options)
-    rows = [(r.name, f"{r.tokens:,}", f"{r.entries_kept:,}", f"{r.bytes_written:,}", f"{r.seconds:.2f}",
-             "skipped (up to date)" if r.skipped else "built") for r in results]
-    click.echo(_table(("context", "tokens", "entries kept", "bytes", "seconds", "status"), rows,
-                      right=(1, 2, 3, 4)))
-    built = [r for r in results if not r.skipped]
-    click.echo(f"{len(results)} packs in {out}: {len(built)} built, {len(results) - len(built)} skipped; "
-               f"{sum(r.bytes_written for r in built):,} bytes written in {sum(r.seconds for r in results):.1f} s")
+    model_id = model_identity(model_name, device=device, dtype=dtype)  # checks --model before anything loads
+    plan = plan_build(contexts, out, settings, model_id=model_id, overwrite=overwrite, split=split)
+    _set_threads(threads)
+    model = tokenizer = None
+    results, interrupted = [], False
+    try:
+        if plan.needs_model:
+            model, tokenizer = _load(model_name, device, dtype)
+        for r in run_build(plan, model, tokenizer, split=split, fail_fast=fail_fast, progress_factory=_bar):
+            results.append(r)
+    except KeyboardInterrupt:
+        interrupted = True
+    report = build_summary(results, out, interrupted=interrupted)
+    if as_json:
+        click.echo(json.dumps(report, ensure_ascii=False, indent=1))
+    else:
+        rows = [(r.name, f"{r.tokens:,}", f"{r.entries_kept:,}", f"{r.bytes_written:,}", f"{r.seconds:.2f}",
+                 r.status.replace("_", " ")) for r in results]
+        if rows:
+            click.echo(_table(("pack", "tokens", "entries kept", "bytes", "seconds", "status"), rows,
+                              right=(1, 2, 3, 4)))
+        for r in results:
+            if r.status == "failed":
+                click.echo(f"failed: {r.source}{f':{r.line}' if r.line else ''}: {r.error}")
+        click.echo(f"{len(results)} packs in {out}: {report['built']} built, {report['up_to_date']} up to date, "
+                   f"{report['replaced']} replaced, {report['failed']} failed; {report['bytes_written']:,} bytes "
+                   f"written in {report['seconds']:.1f} s" + ("; interrupted" if interrupted else ""))
+    if interrupted:
+        click.echo("interrupted: the packs listed are written; run the same command again to resume", err=True)
+        sys.exit(130)
+    if report["failed"]:
+        sys.exit(1)
+
+
+def _bar(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="tok", unit_scale=True, desc="compressing", file=sys.stderr, dynamic_ncols=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -222,142 +272,34 @@ def heads(inputs, model_name, out_file, scoring, chunk_size, device, dtype):
 
 
 @cli.command()
-@click.argument("file", type=click.Path(dir_okay=False))
-def info(file):
-    """Describe a .kvpack file: model, method, sizes, entries kept per layer."""
-    pack = load_pack(file)  # validates the whole file
-    header = read_header(file)
-    meta = header.metadata
-    fp = meta.get("fingerprint") or {}
-    stats = meta.get("stats") or {}
-    source = meta.get("source") or {}
-    params = meta.get("method_params") or {}
-    rope = fp.get("rope") or {}
-    sliding = fp.get("sliding_layers") or []
-    rows = [
-        ("file", str(file)),
-        ("format", f"kvpack v{header.format_version}, {header.file_bytes:,} bytes, tensor checksums "
-                   f"{C.CHECKSUM_NAMES[header.checksum]}"),
-        ("kvpack version", str(meta.get("kvpack_version", "?"))),
-        ("model", str(fp.get("name") or "?")),
-        ("  architecture", f"{fp.get('architecture', '?')} ({fp.get('model_type', '?')})"),
-        ("  layers", str(fp.get("num_layers", "?"))),
-        ("  heads", f"{fp.get('num_heads', '?')} query, {fp.get('num_kv_heads', '?')} KV"),
-        ("  head dim", str(fp.get("head_dim", "?"))),
-        ("  RoPE", ", ".join(f"{k}={v}" for k, v in sorted(rope.items())) or "-"),
-        ("  sliding layers", (f"{', '.join(map(str, sliding))} (window {fp.get('sliding_window')}, kept intact)"
-                              if sliding else "none")),
-        ("  KV dtype", str(fp.get("dtype", "?"))),
-        ("  tokenizer", f"sha256 {_short(fp.get('tokenizer_sha256'))}"),
-        ("  weights", f"sha256 {_short(fp.get('weights_sha256'))}"),
-        ("method", f"{meta.get('method', '?')}"
-                   + (f" ({', '.join(f'{k}={v}' for k, v in sorted(params.items()))})" if params else "")),
-        ("ratio", str(meta.get("ratio", "?"))),
-        ("quantization", _quantization(header, pack)),
-        ("zstd", (f"level {header.zstd_level}: {header.file_bytes:,} bytes on disk, "
-                  f"{header.header_bytes + header.raw_bytes:,} decoded") if header.zstd_level else "off"),
-        ("tokens", f"{pack.original_tokens:,} ({pack.sink_tokens:,} sink + "
-                   f"{pack.original_tokens - pack.sink_tokens:,} context)"),
-        ("entries kept", _kept(pack, stats)),
-        *_budget_rows(stats),
-        *_head_rows(meta, pack),
-        ("source", f"{source.get('name', '?')} (sha256 {_short(source.get('sha256'))}, "
-                   f"{source.get('chars', '?'):,} chars)" if isinstance(source.get("chars"), int)
-                   else f"{source.get('name', '?')} (sha256 {_short(source.get('sha256'))})"),
-    ]
-    click.echo(_pairs(rows))
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False), metavar="FILE...")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per file (a list) instead of tables.")
+def info(files, as_json):
+    """Describe .kvpack files: model, method, sizes, entries kept per layer.
 
-    kinds = meta.get("layer_kinds") or []
-    click.echo("\nentries kept per layer (per KV head: min / mean / max)")
-    layer_rows = []
-    for l, layer in enumerate(pack.layers):
-        hl = layer.head_lengths.double()
-        layer_rows.append((str(l), kinds[l] if l < len(kinds) else "?", f"{layer.num_entries:,}",
-                           f"{int(hl.min()):,}", f"{float(hl.mean()):,.1f}", f"{int(hl.max()):,}"))
-    click.echo(_table(("layer", "kind", "entries", "min", "mean", "max"), layer_rows, right=(0, 2, 3, 4, 5),
-                      indent="  "))
-    errors = stats.get("quant_error")
-    if isinstance(errors, list) and errors and all(isinstance(e, dict) for e in errors):
-        click.echo("\nquantization error per layer (|dequantized - original| over all entries, KV units)")
-        err_rows = [(str(e.get("layer", "?")), *(_num(e.get(k)) for k in (
-            "key_max_abs", "key_mean_abs", "value_max_abs", "value_mean_abs")),
-            _num(100 * e["quantized_fraction"]) + "%" if isinstance(e.get("quantized_fraction"), (int, float))
-            else "?") for e in errors]
-        click.echo(_table(("layer", "key max", "key mean", "value max", "value mean", "quantized"), err_rows,
-                          right=(0, 1, 2, 3, 4, 5), indent="  "))
-
-    click.echo("\nbytes by section")
-    sections = header.bytes_by_section()
-    sec_rows = [(name, f"{n:,}", f"{100 * n / max(1, header.file_bytes):.1f}%") for name, n in sections.items()]
-    sec_rows.append(("total", f"{header.file_bytes:,}", "100.0%"))
-    click.echo(_table(("section", "bytes", "share"), sec_rows, right=(1, 2), indent="  "))
-
-
-def _num(x) -> str:
-    return f"{x:.4g}" if isinstance(x, (int, float)) and not isinstance(x, bool) else "?"
-
-
-def _quantization(header, pack) -> str:
-    """The ``quantization`` row of ``kvpack info``: type, group size, layout (compact: the key code widths)."""
-    if not header.group_size:
-        return "none"
-    import torch
-
-    head = f"{header.quant_type}, group size {header.group_size}"
-    if header.quant_layout != C.QUANT_LAYOUT_COMPACT:
-        return f"{head}, KIVI layout (keys per channel, values per token; sink and residual rows in full precision)"
-    widths = torch.cat([l.quant.key_bits.reshape(-1) for l in pack.layers if l.quant is not None]).long()
-    counts = torch.bincount(widths, minlength=C.MAX_KEY_BITS + 1)
-    used = [(b, int(n)) for b, n in enumerate(counts.tolist()) if n]
-    widths = "/".join(str(b) for b, _ in used)
-    channels = "/".join(str(n) for _, n in used)
-    return (f"{head}, compact layout (key code widths {widths} bits on {channels} channels of all heads; 8-bit "
-            "group parameters; sink rows in full precision)")
-
-
-def _kept(pack, stats: dict) -> str:
-    total = f"{pack.kept_entries():,} stored"
-    kept, entries = stats.get("context_entries_kept"), stats.get("context_entries")
-    if isinstance(kept, int) and isinstance(entries, int) and entries:
-        return f"{total}; context: {kept:,} of {entries:,} ({100 * kept / entries:.1f}%), sink always kept"
-    return total
-
-
-def _budget_rows(stats: dict) -> list[tuple[str, str]]:
-    """``layer budgets`` (context entries kept per compressed layer) and D2O's ``merged`` line, when recorded."""
-    rows = []
-    budgets = stats.get("layer_budgets")
-    if isinstance(budgets, list) and budgets:
-        rows.append(("layer budgets", f"{', '.join(f'{b:,}' for b in budgets)} context entries "
-                                      "(per compressed layer, sink not counted)"))
-    merge = stats.get("merge")
-    if isinstance(merge, dict):
-        rows.append(("merged", f"{merge.get('merged', '?'):,} evicted entries merged into kept ones, "
-                               f"{merge.get('dropped', '?'):,} dropped"
-                     if all(isinstance(merge.get(k), int) for k in ("merged", "dropped")) else str(merge)))
-    return rows
-
-
-def _head_rows(meta: dict, pack) -> list[tuple[str, str]]:
-    """kvzip-head: ``heads kept`` (how many (layer, KV head) pairs hold the whole context) and one row per
-    compressed layer listing them; a head is kept when it holds every context token."""
-    kinds = meta.get("layer_kinds") or []
-    if meta.get("method") != "kvzip-head" or len(kinds) != len(pack.layers):
-        return []
-    context = pack.original_tokens - pack.sink_tokens
-    rows, kept_n, total = [], 0, 0
-    for l, layer in enumerate(pack.layers):
-        if kinds[l] != "compressed":
-            continue
-        kept = [h for h, n in enumerate(layer.head_lengths.tolist()) if n - pack.sink_tokens == context]
-        kept_n, total = kept_n + len(kept), total + len(layer.head_lengths)
-        rows.append((f"  layer {l}", ", ".join(map(str, kept)) if kept else "none"))
-    return [("heads kept", f"{kept_n} of {total} (layer, KV head) pairs hold the whole context; the others the "
-                           "sink (and the window, if any)"), *rows]
-
-
-def _short(digest) -> str:
-    return f"{digest[:12]}..." if isinstance(digest, str) and len(digest) > 12 else str(digest or "-")
+    With several files, a bad one is reported (error: ...) and the others are described; the exit status is then 1.
+    """
+    if len(files) == 1 and not as_json:
+        click.echo(info_text(files[0]))
+        return
+    rows, failed = [], False
+    for i, file in enumerate(files):
+        try:
+            if as_json:
+                load_pack(file)  # validates the whole file
+                rows.append({**describe_pack(file), "error": None})
+            else:
+                click.echo(("\n" if i else "") + f"== {file}")
+                click.echo(info_text(file))
+        except KvpackError as exc:
+            failed = True
+            rows.append({"file": str(file), "error": str(exc)})
+            if not as_json:
+                click.echo(f"error: {exc}", err=True)
+    if as_json:
+        click.echo(json.dumps(rows, indent=1, ensure_ascii=False))
+    if failed:
+        sys.exit(1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -365,19 +307,65 @@ def _short(digest) -> str:
 
 
 @cli.command()
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False), metavar="FILE...")
 @click.option("--model", "model_name", default=None, metavar="NAME_OR_PATH",
-              help="Also check the pack fits this model (fingerprint and tokenizer).")
+              help="Also check the packs fit this model (fingerprint and tokenizer).")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON (a list, one object per file).")
 @_model_options
-def verify(file, model_name, device, dtype):
-    """Check a .kvpack file's integrity (and, with --model, that it fits the model)."""
-    header = check_pack(file)
-    click.echo(f"OK: {file} is intact (kvpack format v{header.format_version}, {header.file_bytes:,} bytes, "
-               "all checksums match)")
-    if model_name is not None:
+def verify(files, model_name, as_json, device, dtype):
+    """Check .kvpack files' integrity (and, with --model, that they fit the model); exit status 1 if any fails."""
+    reports = [verify_report(f) for f in files]
+    model = tokenizer = None
+    if model_name is not None and any(r["ok"] for r in reports):
         model, tokenizer = _load(model_name, device, dtype)
-        check_compatible(header, model, tokenizer, path=str(file))
-        click.echo(f"OK: {file} fits model {model_name} (architecture, weights and tokenizer match)")
+    for r in reports:
+        if r["ok"] and model is not None:
+            try:
+                check_compatible(read_header(r["file"]), model, tokenizer, path=r["file"])
+                r["fits_model"] = model_name
+            except KvpackError as exc:
+                r.update(ok=False, error=str(exc))
+        if as_json:
+            continue
+        if r["ok"]:
+            click.echo(f"OK: {r['file']} is intact (kvpack format v{r['format_version']}, {r['bytes']:,} bytes, "
+                       "all checksums match)")
+            if r.get("fits_model"):
+                click.echo(f"OK: {r['file']} fits model {model_name} (architecture, weights and tokenizer match)")
+        else:
+            click.echo(f"error: {r['error']}", err=True)
+    if as_json:
+        click.echo(json.dumps(reports, indent=1, ensure_ascii=False))
+    if not all(r["ok"] for r in reports):
+        sys.exit(1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ls
+
+
+@cli.command(name="ls")
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per pack (a list).")
+def ls(folder, as_json):
+    """List the packs under FOLDER (a build's --out): pack, source, method, ratio, tokens, bytes, model.
+
+    Only headers are read (fast); use verify to check every checksum.
+    """
+    rows = list_packs(folder)
+    if as_json:
+        click.echo(json.dumps(rows, indent=1, ensure_ascii=False))
+        return
+    table = [(r["pack"], (r["source"] or {}).get("name") or "?", r["method"] or "?",
+              f"{r['ratio']:g}" if isinstance(r["ratio"], (int, float)) else "?", f"{r['tokens']:,}",
+              f"{r['bytes']:,}", r["model"] or "?") if r["error"] is None
+             else (r["pack"], f"unreadable: {r['error']}", "", "", "", "", "") for r in rows]
+    if table:
+        click.echo(_table(("pack", "source", "method", "ratio", "tokens", "bytes", "model"), table,
+                          right=(3, 4, 5)))
+    ok = [r for r in rows if r["error"] is None]
+    click.echo(f"{len(rows)} packs in {folder}, {sum(r['bytes'] for r in ok):,} bytes"
+               + (f"; {len(rows) - len(ok)} unreadable" if len(ok) < len(rows) else ""))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -386,18 +374,55 @@ def verify(file, model_name, device, dtype):
 
 @cli.command()
 @click.argument("file", type=click.Path(dir_okay=False))
-@click.argument("question")
+@click.argument("questions", nargs=-1, required=True, metavar="QUESTION...")
 @click.option("--model", "model_name", default=None, metavar="NAME_OR_PATH",
-              help="The model the pack was built with [default: the embedded reference model].")
+              help="The model the pack was built with [default: the embedded reference model, when the pack was "
+                   "built with it].")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True,
               help="Longest answer, in tokens.")
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="0: greedy decoding; above 0: sample at this temperature.")
+@click.option("--seed", type=int, default=None, help="Seed for sampling (with --temperature).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object per answer (JSON lines) with tokens, seconds, tokens/s and load time.")
+@_threads_option
 @_model_options
-def ask(file, question, model_name, max_new_tokens, device, dtype):
-    """Answer QUESTION about the document compressed in FILE."""
+def ask(file, questions, model_name, max_new_tokens, temperature, seed, as_json, threads, device, dtype):
+    """Answer each QUESTION about the document compressed in FILE, from one load, printing each as answered.
+
+    A QUESTION of - reads questions from stdin, one per line (blank lines skipped).
+    """
+    t0 = time.perf_counter()
     pack = load_pack(file)
-    model, tokenizer = _load(model_name, device, dtype)
+    name = model_name if model_name is not None else model_for_pack(pack.metadata, where=str(file))
+    _set_threads(threads)
+    model, tokenizer = _load(name, device, dtype)
     cache = cache_from_pack(pack, model, tokenizer, where=str(file))
-    click.echo(generate(model, tokenizer, cache, question, max_new_tokens=max_new_tokens))
+    load_seconds = time.perf_counter() - t0
+    several = len(questions) > 1 or "-" in questions
+    for question in _questions(questions):
+        a = answer(model, tokenizer, cache, question, max_new_tokens=max_new_tokens, temperature=temperature,
+                   seed=seed)
+        if as_json:
+            click.echo(json.dumps({"question": question, "answer": a.text, "tokens": a.tokens,
+                                   "seconds": round(a.seconds, 4), "tokens_per_second": round(a.tokens_per_second, 2),
+                                   "load_seconds": round(load_seconds, 4), "model": name or REFERENCE_MODEL_NAME},
+                                  ensure_ascii=False))
+        elif several:
+            click.echo(f"Q: {question}\nA: {a.text}")
+        else:
+            click.echo(a.text)
+
+
+def _questions(given):
+    """The questions in order, ``-`` replaced by stdin's non-blank lines (read lazily, one at a time)."""
+    for q in given:
+        if q != "-":
+            yield q
+            continue
+        for line in sys.stdin:
+            if line.strip():
+                yield line.strip()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -446,8 +471,7 @@ def _csv(kind, name):
               help="The kvpress virtual environment.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds every context and question.")
 @click.option("--device", type=click.Choice(_DEVICES), default="cpu", show_default=True, help="Where to run the model.")
-@click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
-              help="torch CPU threads (0: torch's default, which follows OMP_NUM_THREADS).")
+@_threads_option
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots (no matplotlib needed).")
 @click.pass_context
 def bench(ctx, methods, ratios, quants, lengths, trials, tasks, out_dir, quick, model_name, peer, peer_venv, seed,
@@ -475,28 +499,16 @@ def bench(ctx, methods, ratios, quants, lengths, trials, tasks, out_dir, quick, 
             else:
                 words += [flag, ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in value)
                           if isinstance(value, list) else str(value)]
-    run_bench(cfg, out_dir, command=" ".join(words), log=lambda m: click.echo(m, err=True))
+    results = run_bench(cfg, out_dir, command=" ".join(words), log=lambda m: click.echo(m, err=True))
     click.echo(f"results: {Path(out_dir) / 'results.md'}")
+    failures = results.get("failures") or {}
+    if failures:
+        which = "; ".join(f"{k}: {v}" for k, v in failures.items())
+        raise KvpackError(f"{len(failures)} bench task(s) failed ({which}); see {Path(out_dir) / 'results.md'}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # formatting
-
-
-def _pairs(rows) -> str:
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
-
-def _table(headers, rows, *, right=(), indent: str = "") -> str:
-    cols = list(zip(headers, *rows))
-    widths = [max(len(str(c)) for c in col) for col in cols]
-
-    def line(cells):
-        out = [f"{c:>{w}}" if i in right else f"{c:<{w}}" for i, (c, w) in enumerate(zip(cells, widths))]
-        return (indent + "  ".join(out)).rstrip()
-
-    return "\n".join([line(headers)] + [line(r) for r in rows])
 
 
 def main() -> None:

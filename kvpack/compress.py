@@ -21,7 +21,8 @@ from .prefill import prefill
 from .stats import AttentionRecorder
 from .quant import check_quant_args, quantize_pack
 
-__all__ = ["compress", "assemble_pack", "prefill_recorder", "DEFAULT_RATIO", "DEFAULT_CHUNK_SIZE"]
+__all__ = ["compress", "assemble_pack", "prefill_recorder", "max_context_tokens", "DEFAULT_RATIO",
+           "DEFAULT_CHUNK_SIZE"]
 
 DEFAULT_RATIO = 0.3
 DEFAULT_CHUNK_SIZE = 2048
@@ -43,7 +44,8 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
 
     Args:
         model, tokenizer: from ``kvpack.load_model`` or transformers.
-        text: the context (a document), non-empty.
+        text: the context (a document), non-empty; special-token strings in it (``<|end|>``) are encoded as text,
+            never as control tokens (``ChatLayout.encode_text``).
         method: a name from ``kvpack.methods.METHODS``.
         ratio: compression ratio = fraction of context KV entries kept, in (0, 1]; 1.0 keeps everything
             (method ``none`` always keeps everything and records 1.0; for ``kvzip-head`` it is the fraction of
@@ -70,9 +72,9 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
         A ``Pack`` (in memory); ``kvpack.save`` writes it.
 
     Raises:
-        InputError: empty text, ratio outside (0, 1], chunk_size < 1, unknown method or option, unknown quant,
-            group size not in (32, 64, 128) or not fitting the head size, unknown quant layout, ``stage_seconds``
-            not a dict.
+        InputError: empty text, text longer than ``max_context_tokens(model)``, ratio outside (0, 1],
+            chunk_size < 1, unknown method or option, unknown quant, group size not in (32, 64, 128) or not fitting
+            the head size, unknown quant layout, ``stage_seconds`` not a dict.
         UnsupportedModelError: the model's architecture is not supported.
     """
     if not isinstance(text, str) or not text.strip():
@@ -94,18 +96,15 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
     clock = _StageClock(stage_seconds, device)
     layout = chat_layout(tokenizer)
     prefix_ids = layout.prefix_ids(tokenizer)
-    context_ids = layout.encode(tokenizer, text)
+    context_ids = layout.encode_text(tokenizer, text)
     clock.lap("tokenize")
     if not context_ids:
         raise InputError(f"{source_name}: the context has no tokens")
     token_ids = prefix_ids + context_ids
-    max_pos = getattr(model.config, "max_position_embeddings", None)
-    if max_pos and len(token_ids) + 256 > max_pos:
+    limit = max_context_tokens(model)
+    if limit is not None and len(token_ids) > limit:
         raise InputError(f"{source_name}: {len(token_ids)} tokens is too long for this model "
-                         f"(max_position_embeddings={max_pos}, leaving 256 for questions); split the document")
-    if spec.sliding_window and not spec.sliding_layers and len(token_ids) >= spec.sliding_window:
-        raise InputError(f"{source_name}: {len(token_ids)} tokens exceed the model's {spec.sliding_window}-token "
-                         "sliding window, which every layer uses; split the document")
+                         f"({_limit_reason(model)}); split the document (`kvpack build --split`)")
     compressing = ratio < 1.0
     recorder, observed = prefill_recorder(scorer, spec, len(token_ids), device, tokenizer, layout, compressing,
                                           quant != C.QUANT_NONE and quant_layout == C.QUANT_LAYOUT_COMPACT)
@@ -124,6 +123,35 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
     pack = quantize_pack(pack, quant, group_size, quant_layout, energy)
     clock.lap("quantize")
     return pack
+
+
+#: Positions ``max_context_tokens`` leaves free after a context for questions and answers.
+QUESTION_ROOM = 256
+
+
+def max_context_tokens(model) -> int | None:
+    """The longest cached sequence (chat-template prefix + context, in tokens) ``compress`` accepts for ``model``:
+    ``max_position_embeddings - 256`` (room for questions), and below the sliding window when every layer slides;
+    ``None`` when the config sets no limit. Raises ``UnsupportedModelError`` for unsupported models."""
+    limits = _limits(model)
+    return min(limits) if limits else None
+
+
+def _limits(model) -> dict[int, str]:
+    """Each context limit of ``model`` (tokens) with its reason."""
+    spec = model_spec(model)
+    limits = {}
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos:
+        limits[max_pos - QUESTION_ROOM] = f"max_position_embeddings={max_pos}, leaving {QUESTION_ROOM} for questions"
+    if spec.sliding_window and not spec.sliding_layers:
+        limits[spec.sliding_window - 1] = f"the {spec.sliding_window}-token sliding window every layer uses"
+    return limits
+
+
+def _limit_reason(model) -> str:
+    limits = _limits(model)
+    return f"at most {min(limits)}: {limits[min(limits)]}"
 
 
 class _StageClock:

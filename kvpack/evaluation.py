@@ -45,7 +45,7 @@ def full_cache_retrieval(model, tokenizer, length: int, trials: int, seed: int =
     layout = chat_layout(tokenizer)
     results = []
     for trial in needle_trials(tokenizer, length, trials, seed):
-        ids = layout.prefix_ids(tokenizer) + layout.encode(tokenizer, trial.context)
+        ids = layout.prefix_ids(tokenizer) + layout.encode_text(tokenizer, trial.context)
         ids += layout.question_ids(tokenizer, tasks.fact_question(trial.fact))
         x = torch.tensor([ids], device=model.device)
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,

@@ -125,8 +125,10 @@ def check_fingerprint(stored: dict[str, Any], current: dict[str, Any], *, path: 
                       fix: str = _PACK_FIX) -> None:
     """Raise ``ModelMismatchError`` naming both models if ``stored`` and ``current`` differ in any required field.
 
-    The tokenizer is compared only when both fingerprints carry its hash. ``fix`` ends the message (default: how
-    to load or rebuild a pack).
+    The tokenizer is compared only when both fingerprints carry its hash. When only the weights hash differs and the
+    dtypes differ too (a float16 model against a bfloat16 pack rounds the sampled weights differently), the message
+    names both dtypes and the ``--dtype`` that fixes it. ``fix`` ends the message otherwise (default: how to load or
+    rebuild a pack).
     """
     diffs = []
     for key in sorted(set(stored) | set(current)):
@@ -137,6 +139,13 @@ def check_fingerprint(stored: dict[str, Any], current: dict[str, Any], *, path: 
             continue
         if a != b:
             diffs.append(key)
+    a, b = stored.get("dtype"), current.get("dtype")
+    if diffs and a and b and a != b and set(diffs) <= {"weights_sha256"}:
+        raise ModelMismatchError(
+            f"{path} was built with the model in {a} but the model given is loaded in {b}; the dtypes differ "
+            f"(the weights match up to that rounding). Fix: load the model in {a} (`--dtype {a}`, or "
+            f"`kvpack.load_model(..., dtype=\"{a}\")`), or rebuild the pack with `kvpack build --dtype {b}`"
+        )
     if diffs:
         raise ModelMismatchError(
             f"{path} was built for model {_describe(stored)} but the model given is {_describe(current)}; "

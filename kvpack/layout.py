@@ -42,13 +42,24 @@ class ChatLayout:
         """Token ids of ``text`` with no special tokens added (special-token strings in it are recognised)."""
         return tokenizer.encode(text, add_special_tokens=False)
 
+    def encode_text(self, tokenizer, text: str) -> list[int]:
+        """Token ids of a document's ``text`` as plain text: special-token strings in it (``<|end|>``) are
+        tokenized as the characters they are, never as control tokens."""
+        return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+
     def prefix_ids(self, tokenizer) -> list[int]:
         """Token ids of the prefix (the attention sink)."""
         return self.encode(tokenizer, self.prefix) if self.prefix else []
 
     def question_ids(self, tokenizer, question: str) -> list[int]:
-        """Token ids fed after the cached context to ask ``question``; generation continues after them."""
-        return self.encode(tokenizer, self.separator + question + self.turn_end)
+        """Token ids fed after the cached context to ask ``question``; generation continues after them.
+
+        Special-token strings inside ``question`` are plain text (as in a document, ``encode_text``); the layout's
+        own pieces keep their control tokens."""
+        if not any(t in question for t in tokenizer.all_special_tokens):
+            return self.encode(tokenizer, self.separator + question + self.turn_end)
+        return self.encode(tokenizer, self.separator) + self.encode_text(tokenizer, question) + self.encode(
+            tokenizer, self.turn_end)
 
     def to_dict(self) -> dict:
         """JSON-serialisable form, stored in the pack's metadata."""

@@ -28,6 +28,7 @@ def cache_from_pack(pack: Pack, model, tokenizer=None, *, device=None, where: st
         stored.pop("tokenizer_sha256", None)
     check_fingerprint(stored, current, path=where)
     use_kvpack_attention(model)
+    _guard_generate(model)
     dev = torch.device(device) if device is not None else next(model.parameters()).device
     spec = model_spec(model)
     return KvpackCache.from_pack(pack, device=dev, dtype=model.dtype, sliding_layers=spec.sliding_layers)
@@ -51,3 +52,22 @@ def load(path: str | os.PathLike, model, *, device=None, tokenizer=None) -> Kvpa
     """
     pack = load_pack(path)
     return cache_from_pack(pack, model, tokenizer, device=device, where=str(path))
+
+
+def _guard_generate(model) -> None:
+    """Wrap ``model._prefill`` (transformers 5: where ``generate`` reads the cache's length before its first forward)
+    so that a ``KvpackCache`` passed as ``past_key_values`` checks the input and rewinds itself first
+    (``KvpackCache.prepare_generate``). Installed once per model; other caches pass through untouched."""
+    original = getattr(model, "_prefill", None)
+    if original is None or getattr(original, "_kvpack_guard", False):
+        return
+
+    def _prefill(input_ids, generation_config, model_kwargs, *args, **kwargs):
+        cache = model_kwargs.get("past_key_values")
+        first = kwargs.get("is_first_iteration", args[0] if args else True)
+        if isinstance(cache, KvpackCache) and first and input_ids is not None and input_ids.numel():
+            cache.prepare_generate(input_ids)
+        return original(input_ids, generation_config, model_kwargs, *args, **kwargs)
+
+    _prefill._kvpack_guard = True
+    model._prefill = _prefill

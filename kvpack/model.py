@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
 from .errors import InputError, ModelLoadError, UnsupportedModelError
 
-__all__ = ["REFERENCE_MODEL_DIR", "load_model", "resolve_device", "resolve_dtype", "ModelSpec", "model_spec"]
+__all__ = ["REFERENCE_MODEL_DIR", "REFERENCE_MODEL_NAME", "load_model", "model_path", "model_identity",
+           "model_for_pack", "resolve_device", "resolve_dtype", "ModelSpec", "model_spec"]
 
 #: The embedded reference model shipped inside the package (see its MODEL_CARD.md).
 REFERENCE_MODEL_DIR = Path(__file__).resolve().parent / "models" / "reference"
+#: The name that selects the embedded reference model (``--model kvpack-reference``), recorded in its packs.
+REFERENCE_MODEL_NAME = "kvpack-reference"
+#: Files of a model folder whose size and modification time identify it without loading it.
+_IDENTITY_SUFFIXES = (".safetensors", ".bin", ".json", ".model", ".txt", ".jinja", ".tiktoken")
+_OFFLINE_VALUES = ("1", "true", "yes", "on")
 
 #: ``config.model_type`` values kvpack supports (text decoders with standard softmax attention).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
@@ -48,8 +58,9 @@ def load_model(name_or_path: str | os.PathLike | None = None, *, device=None, dt
     """Load a causal LM and its tokenizer, ready for ``kvpack.compress`` and ``kvpack.load``.
 
     Args:
-        name_or_path: a local Hugging Face model folder, a hub id (only where the hub can be reached), or
-            ``None`` for the embedded reference model (no network needed; ``HF_HUB_OFFLINE`` does not matter).
+        name_or_path: a local Hugging Face model folder, a hub id (from the local cache when offline:
+            ``HF_HUB_OFFLINE=1`` or the hub unreachable), or ``None``/``"kvpack-reference"`` for the embedded
+            reference model (no network needed).
         device: ``"auto"`` (default: CUDA if available), ``"cpu"``, ``"cuda"`` or a ``torch.device``.
         dtype: ``"auto"`` (default: bfloat16 on CUDA, float32 on CPU), ``"float32"``, ``"bfloat16"``,
             ``"float16"`` or a ``torch.dtype``.
@@ -58,7 +69,8 @@ def load_model(name_or_path: str | os.PathLike | None = None, *, device=None, dt
         ``(model, tokenizer)``; the model is in eval mode on ``device``.
 
     Raises:
-        ModelLoadError: the folder is missing or incomplete, or a hub id cannot be fetched.
+        ModelLoadError: the folder is missing, has no config.json or is incomplete, or a hub id cannot be fetched
+            (offline and not cached).
         UnsupportedModelError: the architecture is not one kvpack supports (see ``SUPPORTED_MODEL_TYPES``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -66,36 +78,128 @@ def load_model(name_or_path: str | os.PathLike | None = None, *, device=None, dt
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    path = REFERENCE_MODEL_DIR if name_or_path is None else name_or_path
-    local = Path(path).is_dir()
-    if not local and (Path(path).exists() or str(path).startswith((".", "/", "~"))):
-        raise ModelLoadError(f"no model folder at {str(path)!r}; pass a folder holding config.json, the weights and "
-                             "the tokenizer (or a hub id where the hub can be reached)")
-    if name_or_path is None and not (REFERENCE_MODEL_DIR / "config.json").exists():
-        raise ModelLoadError(
-            f"the embedded reference model is missing from {REFERENCE_MODEL_DIR}; reinstall kvpack "
-            "or pass --model PATH to a local Hugging Face model folder"
-        )
+    path, local = model_path(name_or_path)
+    local_only = local or _offline()
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dt, local_files_only=local, attn_implementation="sdpa"
+            path, dtype=dt, local_files_only=local_only, attn_implementation="sdpa"
         )
     except (OSError, ValueError, KeyError) as exc:
-        hint = "check the folder holds config.json, the weights and the tokenizer files" if local else (
-            "pass a local model folder; hub ids need network access"
-        )
-        raise ModelLoadError(f"could not load model {str(path)!r}: {exc}. Fix: {hint}") from None
+        if local:
+            hint = "check the folder holds config.json, the weights and the tokenizer files"
+        elif local_only:
+            hint = ("it is not in the local Hugging Face cache and the hub is not reachable (offline); pass a "
+                    "local model folder, or run where the hub can be reached")
+        else:
+            hint = "pass a local model folder, or check the hub id"
+        first = (str(exc).splitlines() or [type(exc).__name__])[0].rstrip(".")
+        raise ModelLoadError(f"could not load model {str(path)!r}: {first}. Fix: {hint}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
     model_spec(model)  # refuse unsupported architectures early
     model.to(dev).eval()
-    model.kvpack_name = "kvpack-reference" if name_or_path is None else str(name_or_path)
+    model.kvpack_name = REFERENCE_MODEL_NAME if path == REFERENCE_MODEL_DIR else str(name_or_path)
     return model, tokenizer
+
+
+def model_path(name_or_path: str | os.PathLike | None) -> tuple[str | Path, bool]:
+    """Where ``load_model`` loads ``name_or_path`` from, without loading it: ``(path or hub id, is_local_folder)``.
+
+    ``None`` and ``"kvpack-reference"`` name the embedded reference model. A local folder must hold a
+    ``config.json`` whose ``model_type`` kvpack supports (checked here, before any weights are read).
+
+    Raises:
+        ModelLoadError: a path that is not a folder, a folder without ``config.json`` (or with an unreadable one),
+            the embedded model missing.
+        UnsupportedModelError: the folder's ``model_type`` is not supported (the message lists those that are).
+    """
+    if name_or_path is None or str(name_or_path) == REFERENCE_MODEL_NAME:
+        if not (REFERENCE_MODEL_DIR / "config.json").exists():
+            raise ModelLoadError(f"the embedded reference model is missing from {REFERENCE_MODEL_DIR}; reinstall "
+                                 "kvpack or pass --model PATH to a local Hugging Face model folder")
+        return REFERENCE_MODEL_DIR, True
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        config = path / "config.json"
+        if not config.is_file():
+            raise ModelLoadError(f"{str(name_or_path)!r} is a folder but holds no config.json, so it is not a Hugging "
+                                 "Face model folder; pass the folder that holds config.json, the weights and the "
+                                 f"tokenizer (or {REFERENCE_MODEL_NAME} for the embedded model)")
+        try:
+            model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ModelLoadError(f"{config}: not a readable JSON config ({exc}); fix or replace the file") from None
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(_unsupported(model_type, config.name))
+        return path, True
+    if path.exists() or str(name_or_path).startswith((".", "/", "~")) or str(name_or_path).count("/") > 1:
+        raise ModelLoadError(f"no model folder at {str(name_or_path)!r}; pass a folder holding config.json, the "
+                             f"weights and the tokenizer, {REFERENCE_MODEL_NAME}, or a hub id where the hub can be "
+                             "reached")
+    return str(name_or_path), False
+
+
+def model_identity(name_or_path: str | os.PathLike | None, *, device=None, dtype=None) -> dict:
+    """What identifies the model ``load_model(name_or_path, device=..., dtype=...)`` would load, without loading it.
+
+    For a local folder: its name, the resolved dtype, and the names, sizes (bytes) and modification times (ns) of
+    its config, weights and tokenizer files (``local: True``); a build trusts a pack's manifest record only when
+    this matches. For a hub id only the id and dtype (``local: False``): such records are never trusted before the
+    model is loaded. Raises as ``model_path``, ``resolve_device`` and ``resolve_dtype``.
+    """
+    path, local = model_path(name_or_path)
+    dt = str(resolve_dtype(dtype, resolve_device(device))).replace("torch.", "")
+    name = REFERENCE_MODEL_NAME if path == REFERENCE_MODEL_DIR else str(name_or_path)
+    if not local:
+        return {"name": name, "dtype": dt, "local": False}
+    files = []
+    for f in sorted(Path(path).rglob("*")):
+        if f.is_file() and f.suffix in _IDENTITY_SUFFIXES and not f.name.startswith("."):
+            st = f.stat()
+            files.append([f.relative_to(path).as_posix(), st.st_size, st.st_mtime_ns])
+    digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()
+    return {"name": name, "dtype": dt, "local": True, "files_sha256": digest}
+
+
+def model_for_pack(metadata: dict, *, where: str = "the pack") -> str | None:
+    """The model to load for a pack when none is named: ``None`` (the embedded reference model) when the pack was
+    built with it (its fingerprint's ``name`` is ``kvpack-reference``).
+
+    Raises:
+        InputError: the pack was built with another model; the message names it and says to pass ``--model``.
+    """
+    fp = metadata.get("fingerprint") if isinstance(metadata.get("fingerprint"), dict) else {}
+    name = fp.get("name")
+    if name in (None, "", REFERENCE_MODEL_NAME):
+        return None
+    raise InputError(f"{where} was built with model {name!r}, not the embedded reference model; pass --model with "
+                     "that model's folder (or hub id)")
+
+
+def _offline() -> bool:
+    """Whether the hub must not be contacted: ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` set, or the hub's host
+    does not accept a connection within 3 seconds (so a run without network fails at once instead of retrying)."""
+    flags = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    if any(os.environ.get(v, "").strip().lower() in _OFFLINE_VALUES for v in flags):
+        return True
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return False  # the proxy decides; let the hub client try
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+    except OSError:
+        return True
+    return False
+
+
+def _unsupported(model_type, what: str) -> str:
+    return (f"model type {model_type!r} ({what}) is not supported; kvpack supports "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} text decoders (for Gemma 3 load the text-only Gemma3ForCausalLM)")
 
 
 @dataclass(frozen=True)
@@ -131,10 +235,7 @@ def model_spec(model) -> ModelSpec:
     cfg = model.config
     model_type = getattr(cfg, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"model type {model_type!r} ({type(model).__name__}) is not supported; kvpack supports "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)} text decoders (for Gemma 3 load the text-only Gemma3ForCausalLM)"
-        )
+        raise UnsupportedModelError(_unsupported(model_type, type(model).__name__))
     if getattr(cfg, "attn_logit_softcapping", None):
         raise UnsupportedModelError(f"{model_type}: attention logit soft-capping is not supported")
     n_layers = cfg.num_hidden_layers

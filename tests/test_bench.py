@@ -144,7 +144,6 @@ def test_quick_cli(tmp_path):
     mem = results["memory"]["rows"]
     assert [r["tokens"] for r in mem] == [1024, 2048, 4096]
     assert all("error" not in r and r["growth_bytes"] > 0 for r in mem)
-    assert results["seconds"] < 180
 
 
 def test_bench_cli_rejects_bad_options(tmp_path):

@@ -8,13 +8,20 @@ from pathlib import Path
 
 import pytest
 
+import torch
+
 from kvpack.build import (
     BuildResult,
     build,
+    build_settings,
     check_pack,
     default_out_dir,
     discover_contexts,
+    plan_build,
+    run_build,
 )
+from kvpack.manifest import read_manifest
+from kvpack.sources import split_text
 from kvpack.errors import InputError, ModelMismatchError
 from kvpack.fileformat import load_pack, read_header, verify
 
@@ -50,42 +57,69 @@ def test_discover_reads_txt_md_jsonl_recursively_in_sorted_order(tmp_path):
     (docs / ".git").mkdir()
     (docs / ".git" / "x.txt").write_text("no", encoding="utf-8")
     ctxs = discover_contexts([docs])
-    assert [c.name for c in ctxs] == ["a", "b", "q-first", "q-3", "q-7"]
+    assert [c.name for c in ctxs] == ["a", "b", "z/q/first", "z/q/3", "z/q/7"]  # the tree, mirrored
     assert [c.text for c in ctxs] == ["# ay", "bee", "one", "two", "three"]
     assert [c.line for c in ctxs] == [None, None, 1, 3, 4]
-    assert ctxs[2].source == docs / "z" / "q.jsonl"
-    assert ctxs[3].where.endswith("q.jsonl:3") and ctxs[3].source_name == "q.jsonl:3"
+    assert [c.id for c in ctxs] == [None, None, "first", None, "7"]
+    assert ctxs[2].file == docs / "z" / "q.jsonl" and ctxs[2].source == "z/q.jsonl"
+    assert ctxs[3].where.endswith("q.jsonl:3") and ctxs[3].source_name == "z/q.jsonl:3"
+    assert ctxs[2].pack == "z/q/first.kvpack"
+    assert all(c.error is None for c in ctxs)
     assert discover_contexts([docs]) == ctxs  # deterministic
-    assert discover_contexts([docs / "b.txt", docs]) == [ctxs[1], ctxs[0], *ctxs[2:]]  # each file once
+    again = discover_contexts([docs / "b.txt", docs])  # each file once, in the order given
+    assert [c.source for c in again] == ["docs/b.txt", "docs/a.md", *(["docs/z/q.jsonl"] * 3)]
 
 
-def test_discover_keeps_the_order_of_inputs_and_sanitises_names(tmp_path):
-    (tmp_path / "z.txt").write_text("zed", encoding="utf-8")
-    (tmp_path / "a b.txt").write_text("ay", encoding="utf-8")
-    (tmp_path / "d.jsonl").write_text(json.dumps({"id": "../x/y", "text": "t"}) + "\n", encoding="utf-8")
-    ctxs = discover_contexts([tmp_path / "z.txt", tmp_path / "a b.txt", tmp_path / "d.jsonl"])
-    assert [c.name for c in ctxs] == ["z", "a_b", "d-_x_y"]
+def test_discover_mirrors_the_tree_and_keeps_unicode_names(tmp_path):
+    docs = tmp_path / "docs"
+    for rel in ("a/notes.txt", "b/notes.txt", "文档.txt", "报告.txt", "résumé.txt", "a b.txt", "what?.md"):
+        (docs / rel).parent.mkdir(parents=True, exist_ok=True)
+        (docs / rel).write_text("text", encoding="utf-8")
+    (docs / "d.jsonl").write_text(json.dumps({"id": "../x/y", "text": "t"}) + "\n"
+                                  + json.dumps({"id": "../x/y", "text": "u"}) + "\n", encoding="utf-8")
+    names = {c.source + (f":{c.line}" if c.line else ""): c.name for c in discover_contexts([docs])}
+    assert names == {"a/notes.txt": "a/notes", "b/notes.txt": "b/notes", "文档.txt": "文档", "报告.txt": "报告",
+                     "résumé.txt": "résumé", "a b.txt": "a b", "what?.md": "what_",
+                     "d.jsonl:1": "d/.._x_y", "d.jsonl:2": "d/.._x_y-2"}  # ids made unique
+    # two folder inputs mirror under their own names; two files keep their folders below the common parent
+    assert [c.name for c in discover_contexts([docs / "a", docs / "b"])] == ["a/notes", "b/notes"]
+    assert [c.name for c in discover_contexts([docs / "a" / "notes.txt", docs / "b" / "notes.txt"])] == [
+        "a/notes", "b/notes"]
+    assert [c.name for c in discover_contexts([docs / "a" / "notes.txt"])] == ["notes"]
+
+
+def test_no_two_contexts_map_to_one_pack(tmp_path):
+    (tmp_path / "x").mkdir()
+    for rel in ("notes.txt", "notes.md", "x/Notes.txt", "x/notes.md", "notes-2.txt"):
+        (tmp_path / rel).write_text(rel, encoding="utf-8")
+    ctxs = discover_contexts([tmp_path])
+    keys = [c.name.casefold() for c in ctxs]
+    assert len(set(keys)) == len(keys) == 5
+    by_text = {c.text: c.name for c in ctxs}
+    assert by_text["notes-2.txt"] == "notes-2"  # a real name is never taken by a suffix
+    assert by_text["notes.md"] == "notes" and by_text["notes.txt"] == "notes-3"
+    assert {by_text["x/Notes.txt"], by_text["x/notes.md"]} == {"x/Notes", "x/notes-2"}
 
 
 @pytest.mark.parametrize("lines, fragment", [
-    (['{"text": "ok"}', "{not json"], "d.jsonl:2: not valid JSON"),
-    (['{"id": 1}'], 'd.jsonl:1: no string "text"'),
-    (['{"text": 5}'], 'd.jsonl:1: no string "text"'),
-    (['["text"]'], 'd.jsonl:1: no string "text"'),
-    (['{"text": "  "}'], 'd.jsonl:1: the "text" field is empty'),
-    (['{"text": "a", "id": true}'], 'd.jsonl:1: "id" must be'),
-    (['{"text": "a", "id": "x"}', '{"text": "b", "id": "x"}'], "d.jsonl:1 and"),
-    ([""], "d.jsonl: no lines"),
+    (['{"text": "ok"}', "{not json"], "not valid JSON"),
+    (['{"id": 1}'], 'no string "text"'),
+    (['{"text": 5}'], 'no string "text"'),
+    (['["text"]'], 'no string "text"'),
+    (['{"text": "  "}'], 'the "text" field is empty'),
+    (['{"text": "a", "id": true}'], '"id" must be'),
+    ([""], "the file is empty"),
 ])
-def test_discover_rejects_bad_jsonl_lines_naming_file_and_line(tmp_path, lines, fragment):
+def test_bad_jsonl_lines_are_marked_not_raised(tmp_path, lines, fragment):
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    with pytest.raises(InputError) as err:
-        discover_contexts([tmp_path])
-    assert fragment in str(err.value)
+    ctxs = discover_contexts([tmp_path])
+    bad = [c for c in ctxs if c.error is not None]
+    assert len(bad) == 1 and fragment in bad[0].error and bad[0].text is None
+    assert [c.text for c in ctxs if c.error is None] == (["ok"] if lines[0] == '{"text": "ok"}' else [])
 
 
-def test_discover_errors(tmp_path):
+def test_discover_errors_and_bad_files(tmp_path):
     (tmp_path / "doc.pdf").write_bytes(b"%PDF")
     with pytest.raises(InputError, match=r"doc\.pdf: unsupported file type '\.pdf'"):
         discover_contexts([tmp_path / "doc.pdf"])
@@ -96,23 +130,14 @@ def test_discover_errors(tmp_path):
     with pytest.raises(InputError, match="no input given"):
         discover_contexts([])
     (tmp_path / "empty.txt").write_text(" \n", encoding="utf-8")
-    with pytest.raises(InputError, match="empty.txt: the file is empty"):
-        discover_contexts([tmp_path / "empty.txt"])
     (tmp_path / "latin.txt").write_bytes("caf\xe9".encode("latin-1"))
-    with pytest.raises(InputError, match="latin.txt: not valid UTF-8"):
-        discover_contexts([tmp_path / "latin.txt"])
-
-
-def test_discover_rejects_two_contexts_with_one_output_name(tmp_path):
-    (tmp_path / "notes.txt").write_text("a", encoding="utf-8")
-    (tmp_path / "notes.md").write_text("b", encoding="utf-8")
-    with pytest.raises(InputError, match=r"notes\.md and .*notes\.txt would both be written to notes\.kvpack"):
-        discover_contexts([tmp_path])
-    (tmp_path / "notes.md").unlink()
-    (tmp_path / "x").mkdir()
-    (tmp_path / "x" / "Notes.txt").write_text("c", encoding="utf-8")  # case-insensitive file systems
-    with pytest.raises(InputError, match="would both be written"):
-        discover_contexts([tmp_path])
+    (tmp_path / "nul.txt").write_bytes(b"abc\x00def")
+    (tmp_path / "good.txt").write_text("fine", encoding="utf-8")
+    errors = {c.source: c.error for c in discover_contexts([tmp_path])}
+    assert errors["good.txt"] is None
+    assert errors["empty.txt"].startswith("the file is empty")
+    assert errors["latin.txt"].startswith("not valid UTF-8 text (byte 3)")
+    assert errors["nul.txt"].startswith("not text: it holds NUL bytes (byte 3")
 
 
 def test_default_out_dir_is_packs_beside_the_first_input(tmp_path):
@@ -130,8 +155,11 @@ def test_default_out_dir_is_packs_beside_the_first_input(tmp_path):
 
 
 class _Bar:
-    def __init__(self, total, initial):
-        self.total, self.n, self.closed, self.updates = total, initial, False, []
+    def __init__(self, total, initial=0):
+        self.total, self.n, self.closed, self.updates, self.descriptions = total, initial, False, [], []
+
+    def set_description(self, text, refresh=True):
+        self.descriptions.append(text)
 
     def update(self, n):
         assert n > 0
@@ -157,17 +185,18 @@ def test_build_writes_skips_and_rebuilds(tmp_path):
         return bars[-1]
 
     first = build(ctxs, model, tok, out_dir=out, ratio=0.3, chunk_size=64, progress_factory=factory)
-    assert [r.name for r in first] == ["alpha", "beta"]
-    assert [r.path for r in first] == [out / "alpha.kvpack", out / "beta.kvpack"]
-    assert not any(r.skipped for r in first)
+    assert [r.name for r in first] == ["alpha", "sub/beta"]
+    assert [r.path for r in first] == [out / "alpha.kvpack", out / "sub" / "beta.kvpack"]
+    assert [r.status for r in first] == ["built", "built"]
     for r in first:
         assert isinstance(r, BuildResult) and r.seconds >= 0
         pack = load_pack(r.path)
         assert r.tokens == pack.original_tokens and r.entries_kept == pack.kept_entries()
         assert r.bytes_written == r.path.stat().st_size
-        assert pack.metadata["source"]["name"] == r.path.stem + (".txt" if r.name == "alpha" else ".md")
+        assert pack.metadata["source"]["name"] == ("alpha.txt" if r.name == "alpha" else "sub/beta.md")
     bar = bars[0]
     assert bar.closed and bar.total == sum(r.tokens for r in first) == bar.n and len(bar.updates) > 2
+    assert bar.descriptions == ["alpha", "sub/beta"]  # the bar names the context being built
 
     # same settings: nothing rebuilt, results describe the existing files, no progress bar
     stamps = _mtimes(first)
@@ -179,7 +208,7 @@ def test_build_writes_skips_and_rebuilds(tmp_path):
 
     # another ratio rebuilds; overwrite rebuilds
     other = build(ctxs, model, tok, out_dir=out, ratio=0.5, chunk_size=64)
-    assert not any(r.skipped for r in other)
+    assert [r.status for r in other] == ["replaced", "replaced"]
     assert load_pack(other[0].path).metadata["ratio"] == 0.5
     forced = build(ctxs, model, tok, out_dir=out, ratio=0.5, chunk_size=64, overwrite=True)
     assert not any(r.skipped for r in forced)
@@ -193,13 +222,13 @@ def test_build_rebuilds_changed_text_damaged_files_and_other_models(tmp_path):
     out = tmp_path / "packs"
     build(discover_contexts([docs]), model, tok, out_dir=out, ratio=0.3, chunk_size=64)
     (docs / "alpha.txt").write_text(DOC_A + " More.", encoding="utf-8")
-    data = bytearray((out / "beta.kvpack").read_bytes())
+    data = bytearray((out / "sub" / "beta.kvpack").read_bytes())
     data[-3] ^= 0x10
-    (out / "beta.kvpack").write_bytes(bytes(data))
+    (out / "sub" / "beta.kvpack").write_bytes(bytes(data))
     res = build(discover_contexts([docs]), model, tok, out_dir=out, ratio=0.3, chunk_size=64)
     assert [r.skipped for r in res] == [False, False]
-    verify(out / "beta.kvpack")
-    (out / "beta.kvpack").write_bytes(b"not a pack")
+    verify(out / "sub" / "beta.kvpack")
+    (out / "sub" / "beta.kvpack").write_bytes(b"not a pack")
     res = build(discover_contexts([docs]), model, tok, out_dir=out, ratio=0.3, chunk_size=64)
     assert [r.skipped for r in res] == [True, False]
     qwen, qtok = tiny_model("qwen2")
@@ -262,3 +291,143 @@ def test_build_skip_rule_includes_quantization_and_zstd(tmp_path):
         build(ctxs, model, tok, **kw, quant="int2")
     with pytest.raises(InputError, match="zstd_level"):
         build(ctxs, model, tok, **kw, zstd_level=23)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# keep going, manifest, resume, split
+
+
+def _long_text(paragraphs: int) -> str:
+    return "".join(f"Paragraph {i}. {TEXT[:150]}\n\n" for i in range(paragraphs))
+
+
+def test_build_keeps_going_past_bad_contexts_and_records_why(tmp_path):
+    model, tok = tiny_model("llama")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a_empty.txt").write_text("", encoding="utf-8")
+    (docs / "b_long.txt").write_text(TEXT * 60, encoding="utf-8")  # > 4096 - 256 tokens
+    (docs / "c_good.txt").write_text(DOC_A, encoding="utf-8")
+    (tmp_path / "packs").mkdir()
+    (tmp_path / "packs" / "d").write_text("a file where the folder d/ must go", encoding="utf-8")
+    (docs / "d").mkdir()
+    (docs / "d" / "x.txt").write_text(DOC_B, encoding="utf-8")
+    (docs / "e_good.txt").write_text(DOC_B, encoding="utf-8")
+    res = build(discover_contexts([docs]), model, tok, out_dir=tmp_path / "packs", ratio=0.3, chunk_size=64)
+    assert [(r.name, r.status) for r in res] == [("a_empty", "failed"), ("b_long", "failed"), ("c_good", "built"),
+                                                 ("d/x", "failed"), ("e_good", "built")]
+    assert res[0].error.startswith("the file is empty")
+    assert "too long for this model (at most 3,840)" in res[1].error and "--split" in res[1].error
+    assert res[3].error.startswith("cannot write") and str(tmp_path / "packs" / "d") in res[3].error
+    assert verify(res[2].path) and verify(res[4].path)
+    records = read_manifest(tmp_path / "packs")
+    assert {k: v["status"] for k, v in records.items()} == {
+        "a_empty.kvpack": "failed", "b_long.kvpack": "failed", "c_good.kvpack": "built", "d/x.kvpack": "failed",
+        "e_good.kvpack": "built"}
+    good = records["c_good.kvpack"]
+    assert (good["source"], good["tokens"], good["entries_kept"], good["bytes"]) == (
+        "c_good.txt", res[2].tokens, res[2].entries_kept, res[2].path.stat().st_size)
+    assert good["settings"]["ratio"] == 0.3 and good["settings"]["method"] == "kvzip"
+    assert good["weights_sha256"] == load_pack(res[2].path).metadata["fingerprint"]["weights_sha256"]
+    assert records["b_long.kvpack"]["error"] == res[1].error
+
+    fast = build(discover_contexts([docs]), model, tok, out_dir=tmp_path / "fast", ratio=0.3, chunk_size=64,
+                 fail_fast=True)
+    assert [(r.name, r.status) for r in fast] == [("a_empty", "failed")]
+
+
+def test_plan_trusts_the_manifest_so_an_up_to_date_run_needs_no_model(tmp_path):
+    model, tok = tiny_model("llama")
+    docs = _docs(tmp_path / "docs")
+    out = tmp_path / "packs"
+    ident = {"name": "tiny", "dtype": "float32", "local": True, "files_sha256": "0" * 64}
+    settings = build_settings(ratio=0.3, chunk_size=64)
+    plan = plan_build(discover_contexts([docs]), out, settings, model_id=ident)
+    assert plan.needs_model
+    run = run_build(plan, model, tok)
+    first = next(run)  # interrupted after the first pack: the manifest already holds it
+    run.close()
+    assert read_manifest(out)["alpha.kvpack"]["status"] == "built"
+    plan = plan_build(discover_contexts([docs]), out, settings, model_id=ident)
+    assert plan.up_to_date == 1 and plan.needs_model  # beta still to build
+    assert [r.status for r in run_build(plan, model, tok)] == ["up_to_date", "built"]
+    plan = plan_build(discover_contexts([docs]), out, settings, model_id=ident)
+    assert not plan.needs_model and plan.up_to_date == 2
+    again = list(run_build(plan))  # no model at all
+    assert [(r.status, r.bytes_written) for r in again] == [("up_to_date", first.bytes_written),
+                                                           ("up_to_date", again[1].path.stat().st_size)]
+    # another model identity, other settings, a changed text or a damaged pack: not trusted without the model
+    assert plan_build(discover_contexts([docs]), out, settings, model_id={**ident, "files_sha256": "1" * 64}
+                      ).up_to_date == 0
+    assert plan_build(discover_contexts([docs]), out, build_settings(ratio=0.5, chunk_size=64),
+                      model_id=ident).up_to_date == 0
+    (docs / "alpha.txt").write_text(DOC_A + "!", encoding="utf-8")
+    data = bytearray((out / "sub" / "beta.kvpack").read_bytes())
+    data[-3] ^= 1
+    (out / "sub" / "beta.kvpack").write_bytes(bytes(data))
+    assert plan_build(discover_contexts([docs]), out, settings, model_id=ident).up_to_date == 0
+    (tmp_path / "ro").write_text("x", encoding="utf-8")
+    with pytest.raises(InputError, match="not a folder"):
+        plan_build(discover_contexts([docs]), tmp_path / "ro", settings)
+
+
+def _short_model(limit_tokens: int):
+    """The tiny llama with max_position_embeddings = limit + 256 (contexts of at most ``limit`` tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    from .tiny import tiny_config, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    cfg = tiny_config("llama", len(tok))
+    cfg.max_position_embeddings = limit_tokens + 256
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    model.kvpack_name = "tiny-short"
+    return model, tok
+
+
+def test_split_cuts_long_contexts_at_paragraphs_into_valid_parts(tmp_path):
+    model, tok = _short_model(200)
+    text = _long_text(6)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "long.txt").write_text(text, encoding="utf-8")
+    ctxs = discover_contexts([tmp_path / "docs"])
+    out = tmp_path / "packs"
+    assert build(ctxs, model, tok, out_dir=out, ratio=0.3, chunk_size=64)[0].status == "failed"
+    ident = {"name": "tiny", "local": True, "files_sha256": "0"}
+    res = build(ctxs, model, tok, out_dir=out, ratio=0.3, chunk_size=64, split=True, model_id=ident)
+    assert len(res) >= 3 and [r.name for r in res] == [f"long.part-{k:03d}" for k in range(1, len(res) + 1)]
+    assert all(r.status == "built" and r.parts == len(res) for r in res) and [r.part for r in res] == list(
+        range(1, len(res) + 1))
+    pieces = []
+    for r in res:
+        pack = load_pack(r.path)
+        assert pack.original_tokens <= 200
+        piece = tok.decode(pack.token_ids[pack.sink_tokens:].tolist())
+        assert piece.startswith("Paragraph ")  # cut at paragraph boundaries
+        pieces.append(piece)
+    assert "".join(pieces) == text
+    settings = build_settings(ratio=0.3, chunk_size=64)
+    plan = plan_build(ctxs, out, settings, model_id=ident)
+    assert not plan.needs_model and plan.up_to_date == len(res)
+    assert [r.name for r in run_build(plan)] == [r.name for r in res]
+
+
+def test_split_text_rules():
+    fits = lambda t: len(t) <= 12  # noqa: E731
+    assert split_text("aaaa\n\nbbbb\n\ncccc\n", fits) == ["aaaa\n\nbbbb\n\n", "cccc\n"]
+    assert split_text("aaaaaa\nbbbbbb\ncc\n\ndd", fits) == ["aaaaaa\n", "bbbbbb\ncc\n\n", "dd"]
+    with pytest.raises(InputError, match="single line"):
+        split_text("x" * 20, fits)
+
+
+def test_special_token_strings_in_a_document_are_text(tmp_path):
+    model, tok = tiny_model("llama")
+    text = "Before <|end|> middle <|user|> after."
+    (tmp_path / "d.txt").write_text(text, encoding="utf-8")
+    res = build(discover_contexts([tmp_path / "d.txt"]), model, tok, out_dir=tmp_path / "p", ratio=0.5,
+                chunk_size=64)
+    pack = load_pack(res[0].path)
+    context = pack.token_ids[pack.sink_tokens:].tolist()
+    assert not set(context) & set(tok.all_special_ids)
+    assert tok.decode(context) == text

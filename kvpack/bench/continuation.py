@@ -78,7 +78,7 @@ def full_cache_logprobs(model, tokenizer, doc: ContinuationDoc) -> torch.Tensor:
     distribution of target token ``i + 1``.
     """
     layout = chat_layout(tokenizer)
-    ctx = layout.prefix_ids(tokenizer) + layout.encode(tokenizer, doc.text)
+    ctx = layout.prefix_ids(tokenizer) + layout.encode_text(tokenizer, doc.text)
     fed = list(doc.target_ids[:-1])
     x = torch.tensor([ctx + fed], device=model.device)
     logits = model(input_ids=x, use_cache=False, logits_to_keep=len(fed)).logits[0]

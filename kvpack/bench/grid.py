@@ -167,7 +167,7 @@ def build_variants(model, tokenizer, text: str, method: str, ratios: list[float]
     spec = model_spec(model)
     layout = chat_layout(tokenizer)
     prefix_ids = layout.prefix_ids(tokenizer)
-    token_ids = prefix_ids + layout.encode(tokenizer, text)
+    token_ids = prefix_ids + layout.encode_text(tokenizer, text)
     compressing = any(r < 1.0 for r in kept)
     device = next(model.parameters()).device
     quantizing = any(q != C.QUANT_NONE for q in quants) and quant_layout == C.QUANT_LAYOUT_COMPACT

@@ -115,7 +115,7 @@ def export_job(contexts: list[QAContext], tokenizer, model_dir: str | os.PathLik
     items = []
     for ctx in contexts:
         items.append({"task": ctx.task, "key": ctx.key,
-                      "context_ids": layout.prefix_ids(tokenizer) + layout.encode(tokenizer, ctx.text),
+                      "context_ids": layout.prefix_ids(tokenizer) + layout.encode_text(tokenizer, ctx.text),
                       "questions_ids": [layout.question_ids(tokenizer, q) for q in ctx.questions]})
     return {"model": str(model_dir), "max_new_tokens": int(max_new_tokens), "threads": int(threads), "baseline": True,
             "presses": list(presses), "ratios": [float(r) for r in ratios if r < 1.0], "items": items}

@@ -56,7 +56,7 @@ def full_cache_answer(model, tokenizer, text: str, question: str,
     whole; ``seconds`` covers prefill and decoding.
     """
     layout = chat_layout(tokenizer)
-    ids = layout.prefix_ids(tokenizer) + layout.encode(tokenizer, text) + layout.question_ids(tokenizer, question)
+    ids = layout.prefix_ids(tokenizer) + layout.encode_text(tokenizer, text) + layout.question_ids(tokenizer, question)
     x = torch.tensor([ids], device=model.device)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos

@@ -79,6 +79,11 @@ def markdown(results: dict) -> str:
              "(RULER, arXiv 2404.06654). `full` = plain transformers with the ordinary full cache; `none` = the same "
              "through a kvpack file. Every kvpack answer comes from a saved and reloaded `.kvpack` file "
              f"(zstd level {cfg['zstd_level']}).", ""]
+    failures = results.get("failures") or {}
+    if failures:
+        lines += ["## FAILED tasks", "", "These tasks failed; their tables are missing or incomplete and `kvpack bench` "
+                  "exited with status 1:", ""]
+        lines += [f"- **FAILED** `{task}`: {why}" for task, why in failures.items()] + [""]
     needle = results.get("needle")
     if needle and needle.get("summary"):
         lengths = [str(l) for l in cfg["lengths"]]

@@ -8,12 +8,14 @@ model behind the ETA it prints.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import platform
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -215,6 +217,16 @@ def _environment(model, threads: int) -> dict:
             "threads": threads or torch.get_num_threads(), "kvpack": __version__}
 
 
+@contextlib.contextmanager
+def _task(failures: dict[str, str], name: str, log: Callable[[str], None]):
+    """Run one bench task: an exception is recorded in ``failures[name]`` (and logged) and the next task runs."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - one failing task must not lose the others
+        failures[name] = (f"{type(exc).__name__}: {exc}".splitlines() or [type(exc).__name__])[0]
+        log(f"  {name} FAILED: {failures[name]}")
+
+
 def run_bench(cfg: BenchConfig, out_dir: str | Path = "bench-out", *, command: str = "kvpack bench",
               log=print) -> dict:
     """Run ``cfg`` and write its report into ``out_dir``; return the results dict (also ``results.json``).
@@ -257,79 +269,93 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path = "bench-out", *, command: s
     }
     kw = dict(chunk_size=cfg.chunk_size, group_size=cfg.group_size, zstd_level=cfg.zstd_level)
     timings: dict[str, float] = {}
+    failures: dict[str, str] = {}  # task -> why it failed; the other tasks still run
     qa_contexts = []
     with tempfile.TemporaryDirectory(prefix="kvpack-bench-") as tmp:
         if "needle" in cfg.tasks:
-            t0 = time.perf_counter()
-            contexts = needle_contexts(tok, cfg.lengths, cfg.depths, cfg.trials, cfg.seed)
-            rows = []
-            cost = [_context_s(cfg.variants(), ctx.length, 1) for ctx in contexts]
-            for i, ctx in enumerate(contexts, 1):
-                rows += answer_variants(model, tok, ctx, cfg.variants(), tmp, max_new_tokens=cfg.max_new_tokens, **kw)
-                progress.step("needle", i, len(contexts), ctx.key, cost[i - 1] / sum(cost))
-            results["needle"] = {"rows": rows}
-            qa_contexts += contexts
-            timings["needle"] = time.perf_counter() - t0
+            with _task(failures, "needle", log):
+                t0 = time.perf_counter()
+                contexts = needle_contexts(tok, cfg.lengths, cfg.depths, cfg.trials, cfg.seed)
+                rows = []
+                cost = [_context_s(cfg.variants(), ctx.length, 1) for ctx in contexts]
+                for i, ctx in enumerate(contexts, 1):
+                    rows += answer_variants(model, tok, ctx, cfg.variants(), tmp,
+                                            max_new_tokens=cfg.max_new_tokens, **kw)
+                    progress.step("needle", i, len(contexts), ctx.key, cost[i - 1] / sum(cost))
+                results["needle"] = {"rows": rows}
+                qa_contexts += contexts
+                timings["needle"] = time.perf_counter() - t0
         if "multiquery" in cfg.tasks and cfg.mq_contexts:
-            t0 = time.perf_counter()
-            contexts = multiquery_contexts(tok, cfg.mq_length, cfg.mq_facts, cfg.mq_contexts, cfg.seed)
-            rows = []
-            for i, ctx in enumerate(contexts, 1):
-                rows += answer_variants(model, tok, ctx, cfg.multiquery_variants(), tmp,
-                                        max_new_tokens=cfg.max_new_tokens, **kw)
-                progress.step("multiquery", i, len(contexts), ctx.key)
-            results["multiquery"] = {"rows": rows}
-            qa_contexts += contexts
-            timings["multiquery"] = time.perf_counter() - t0
+            with _task(failures, "multiquery", log):
+                t0 = time.perf_counter()
+                contexts = multiquery_contexts(tok, cfg.mq_length, cfg.mq_facts, cfg.mq_contexts, cfg.seed)
+                rows = []
+                for i, ctx in enumerate(contexts, 1):
+                    rows += answer_variants(model, tok, ctx, cfg.multiquery_variants(), tmp,
+                                            max_new_tokens=cfg.max_new_tokens, **kw)
+                    progress.step("multiquery", i, len(contexts), ctx.key)
+                results["multiquery"] = {"rows": rows}
+                qa_contexts += contexts
+                timings["multiquery"] = time.perf_counter() - t0
         if "continuation" in cfg.tasks and cfg.cont_docs:
-            t0 = time.perf_counter()
-            docs = continuation_docs(tok, cfg.cont_length, cfg.cont_docs, cfg.cont_target, cfg.seed)
-            rows = []
-            for i, doc in enumerate(docs, 1):
-                rows += continuation_rows(model, tok, doc, cfg.variants(), tmp, **kw)
-                progress.step("continuation", i, len(docs), doc.key)
-            results["continuation"] = {"rows": rows, "summary": summarize_continuation(rows)}
-            timings["continuation"] = time.perf_counter() - t0
+            with _task(failures, "continuation", log):
+                t0 = time.perf_counter()
+                docs = continuation_docs(tok, cfg.cont_length, cfg.cont_docs, cfg.cont_target, cfg.seed)
+                rows = []
+                for i, doc in enumerate(docs, 1):
+                    rows += continuation_rows(model, tok, doc, cfg.variants(), tmp, **kw)
+                    progress.step("continuation", i, len(docs), doc.key)
+                results["continuation"] = {"rows": rows, "summary": summarize_continuation(rows)}
+                timings["continuation"] = time.perf_counter() - t0
         if "speed" in cfg.tasks:
-            t0 = time.perf_counter()
-            n = cfg.speed_length or max(cfg.lengths)
-            text = needle_contexts(tok, [n], [0.5], 1, cfg.seed)[0].text
-            results["speed"] = measure_speed(model, tok, text, ["none", *[m for m in cfg.methods if m != "none"]],
-                                             cfg.speed_ratio, tmp, repeats=cfg.speed_repeats,
-                                             chunk_size=cfg.chunk_size, zstd_level=cfg.zstd_level, log=log)
-            progress.step("speed", 1, 1, f"{n} tokens")
-            timings["speed"] = time.perf_counter() - t0
+            with _task(failures, "speed", log):
+                t0 = time.perf_counter()
+                n = cfg.speed_length or max(cfg.lengths)
+                text = needle_contexts(tok, [n], [0.5], 1, cfg.seed)[0].text
+                speed_methods = ["none", *[m for m in cfg.methods if m != "none"]]
+                results["speed"] = measure_speed(model, tok, text, speed_methods, cfg.speed_ratio, tmp,
+                                                 repeats=cfg.speed_repeats,
+                                                 chunk_size=cfg.chunk_size, zstd_level=cfg.zstd_level, log=log)
+                progress.step("speed", 1, 1, f"{n} tokens")
+                timings["speed"] = time.perf_counter() - t0
         if "memory" in cfg.tasks and cfg.memory_lengths:
-            t0 = time.perf_counter()
-            mem = measure_memory(cfg.memory_lengths, cfg.memory_method, cfg.speed_ratio, model=cfg.model,
-                                 chunk_size=cfg.chunk_size, threads=cfg.threads or torch.get_num_threads(), log=log)
-            results["memory"] = {"method": cfg.memory_method, "ratio": cfg.speed_ratio, "rows": mem,
-                                 "linear": linear_growth(mem)}
-            progress.step("memory", 1, 1, ", ".join(str(n) for n in cfg.memory_lengths))
-            timings["memory"] = time.perf_counter() - t0
+            with _task(failures, "memory", log):
+                t0 = time.perf_counter()
+                mem = measure_memory(cfg.memory_lengths, cfg.memory_method, cfg.speed_ratio, model=cfg.model,
+                                     chunk_size=cfg.chunk_size, threads=cfg.threads or torch.get_num_threads(),
+                                     log=log)
+                results["memory"] = {"method": cfg.memory_method, "ratio": cfg.speed_ratio, "rows": mem,
+                                     "linear": linear_growth(mem)}
+                bad = [f"{r['tokens']} tokens: {r['error']}" for r in mem if "error" in r]
+                if bad:
+                    failures["memory"] = "; ".join(bad)
+                progress.step("memory", 1, 1, ", ".join(str(n) for n in cfg.memory_lengths))
+                timings["memory"] = time.perf_counter() - t0
         if cfg.peer == "kvpress" and qa_contexts:
-            from .peer import baseline_agreement, export_job, model_folder, peer_rows, run_kvpress
+            with _task(failures, "peer", log):
+                from .peer import baseline_agreement, export_job, model_folder, peer_rows, run_kvpress
 
-            t0 = time.perf_counter()
-            job = export_job(qa_contexts, tok, model_folder(cfg.model), cfg.peer_presses, cfg.ratios,
-                             max_new_tokens=cfg.max_new_tokens, threads=cfg.threads or torch.get_num_threads())
-            out = run_kvpress(job, peer_python, tmp, log=log)
-            rows = peer_rows(out, qa_contexts)
-            for task in ("needle", "multiquery"):
-                if task in results:
-                    results[task]["rows"] += [r for r in rows if r["task"] == task]
-            results["peer"] = {"name": "kvpress", "versions": out.get("versions", {}), "presses": cfg.peer_presses,
-                               "seconds": out.get("seconds"),
-                               "baseline_agreement": baseline_agreement(
-                                   [r for t in ("needle", "multiquery") for r in results.get(t, {}).get("rows", [])]),
-                               "errors": sorted({r["error"] for r in rows if "error" in r})}
-            progress.step("peer", 1, 1, "kvpress")
-            timings["peer"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                job = export_job(qa_contexts, tok, model_folder(cfg.model), cfg.peer_presses, cfg.ratios,
+                                 max_new_tokens=cfg.max_new_tokens, threads=cfg.threads or torch.get_num_threads())
+                out = run_kvpress(job, peer_python, tmp, log=log)
+                rows = peer_rows(out, qa_contexts)
+                for task in ("needle", "multiquery"):
+                    if task in results:
+                        results[task]["rows"] += [r for r in rows if r["task"] == task]
+                qa_rows = [r for t in ("needle", "multiquery") for r in results.get(t, {}).get("rows", [])]
+                results["peer"] = {"name": "kvpress", "versions": out.get("versions", {}),
+                                   "presses": cfg.peer_presses, "seconds": out.get("seconds"),
+                                   "baseline_agreement": baseline_agreement(qa_rows),
+                                   "errors": sorted({r["error"] for r in rows if "error" in r})}
+                progress.step("peer", 1, 1, "kvpress")
+                timings["peer"] = time.perf_counter() - t0
     if "needle" in results:
         results["needle"]["summary"] = summarize_needle(results["needle"]["rows"])
     if "multiquery" in results:
         results["multiquery"]["summary"] = summarize_multiquery(results["multiquery"]["rows"])
     results["task_seconds"] = timings
+    results["failures"] = failures
     results["seconds"] = time.perf_counter() - t_start
     paths = write_report(results, out_dir, plots=cfg.plots)
     log(f"wrote {paths['markdown']}, {paths['json']} and {len(paths['plots'])} plot(s) in "

@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -32,6 +33,9 @@ from ..layout import chat_layout
 from ..loading import load
 from ..model import model_spec
 from .specs import parse_method_spec
+
+#: The folder holding the ``kvpack`` package this process imported (put first on a subprocess's PYTHONPATH).
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 __all__ = ["measure_speed", "measure_memory", "linear_growth", "timed", "plain_prefill", "causal_attention_alone"]
 
@@ -115,7 +119,7 @@ def measure_speed(model, tokenizer, text: str, methods: list[str], ratio: float,
         except ``load_speedup_vs_prefill`` = prefill / load).
     """
     layout = chat_layout(tokenizer)
-    ids = torch.tensor([layout.prefix_ids(tokenizer) + layout.encode(tokenizer, text)], device=model.device)
+    ids = torch.tensor([layout.prefix_ids(tokenizer) + layout.encode_text(tokenizer, text)], device=model.device)
     tokens = int(ids.shape[1])
     rows: dict[str, list[float]] = {"prefill": []}
     build = {m: [] for m in methods}
@@ -173,11 +177,14 @@ def measure_memory(lengths: list[int], method: str, ratio: float, *, model: str 
     """
     out = []
     for n in lengths:
-        cmd = [sys.executable, "-m", "kvpack.bench.memory", "--tokens", str(n), "--method", method, "--ratio",
+        # -P: the working folder is not put on sys.path (a checkout named kvpack there would shadow the package);
+        # PYTHONPATH leads to the kvpack this process runs
+        cmd = [sys.executable, "-P", "-m", "kvpack.bench.memory", "--tokens", str(n), "--method", method, "--ratio",
                str(ratio), "--chunk-size", str(chunk_size)]
         if model is not None:
-            cmd += ["--model", str(model)]
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+            cmd += ["--model", str(Path(model).resolve()) if Path(model).exists() else str(model)]
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=os.pathsep.join(
+            [_PACKAGE_ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
         except subprocess.TimeoutExpired:

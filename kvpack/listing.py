@@ -1,0 +1,253 @@
+"""What ``kvpack ls``, ``info --json`` and ``verify --json`` report about pack files, as plain dicts.
+
+    rows = list_packs("packs/")          # one dict per .kvpack under the folder, sorted by path
+    describe_pack("packs/a.kvpack")      # the header's facts (no tensor is read)
+    verify_report("packs/a.kvpack")      # {"file", "ok", "error", ...}: every checksum checked
+"""
+
+from __future__ import annotations
+
+import os
+import unicodedata
+from pathlib import Path
+from typing import Any
+
+from . import constants as C
+from .errors import InputError, KvpackError
+from .fileformat import PackHeader, load_pack, read_header, verify
+from .manifest import read_manifest
+
+__all__ = ["describe_pack", "list_packs", "verify_report", "info_text", "table", "pairs"]
+
+
+def describe_pack(path: str | os.PathLike, header: PackHeader | None = None) -> dict[str, Any]:
+    """The facts of a pack's (validated) header: ``file``, ``format_version``, ``bytes`` (file size), ``checksum``,
+    ``method``, ``method_params``, ``ratio`` (fraction of KV entries kept), ``tokens`` (cached sequence),
+    ``sink_tokens``, ``entries_kept`` (all layers and KV heads), ``quant`` (type), ``group_size``, ``zstd_level``,
+    ``source`` (name, sha256, chars), ``model`` (fingerprint name), ``architecture``, ``dtype`` (KV),
+    ``kvpack_version``.
+
+    Raises:
+        PackFormatError subclasses, InputError: as ``kvpack.fileformat.read_header``.
+    """
+    header = header if header is not None else read_header(path)
+    meta = header.metadata
+    fp = meta.get("fingerprint") if isinstance(meta.get("fingerprint"), dict) else {}
+    source = meta.get("source") if isinstance(meta.get("source"), dict) else {}
+    return {
+        "file": str(path), "format_version": header.format_version, "bytes": header.file_bytes,
+        "checksum": C.CHECKSUM_NAMES.get(header.checksum, header.checksum), "method": meta.get("method"),
+        "method_params": meta.get("method_params"), "ratio": meta.get("ratio"), "tokens": header.tokens,
+        "sink_tokens": meta.get("sink_tokens"), "entries_kept": header.entries, "quant": header.quant_type,
+        "group_size": header.group_size, "zstd_level": header.zstd_level,
+        "source": {k: source.get(k) for k in ("name", "sha256", "chars")}, "model": fp.get("name"),
+        "architecture": fp.get("architecture"), "dtype": fp.get("dtype"), "kvpack_version": meta.get("kvpack_version"),
+    }
+
+
+def list_packs(folder: str | os.PathLike) -> list[dict[str, Any]]:
+    """``describe_pack`` of every ``.kvpack`` file under ``folder`` (recursively, sorted by path), with ``pack``
+    (the path relative to ``folder``), ``source`` taken from the folder's build manifest when it records the pack
+    (else the pack's own source name), and ``error`` (``None``, or why the header cannot be read; the other fields
+    are then absent).
+
+    Raises:
+        InputError: ``folder`` is not a folder.
+    """
+    root = Path(folder)
+    if not root.is_dir():
+        raise InputError(f"{root}: not a folder; pass the folder a build wrote (its --out)")
+    records = read_manifest(root)
+    rows = []
+    for path in sorted(root.rglob(f"*{C.FILE_SUFFIX}"), key=lambda p: p.relative_to(root).parts):
+        rel = path.relative_to(root).as_posix()
+        try:
+            row = describe_pack(path)
+        except KvpackError as exc:
+            rows.append({"pack": rel, "file": str(path), "error": str(exc)})
+            continue
+        record = records.get(rel)
+        if isinstance(record, dict) and isinstance(record.get("source"), str):
+            row["source"] = {**row["source"], "name": record["source"] + (f":{record['line']}" if record.get("line")
+                                                                          else "")}
+        rows.append({"pack": rel, **row, "error": None})
+    return rows
+
+
+def verify_report(path: str | os.PathLike) -> dict[str, Any]:
+    """Check every length, offset and checksum of ``path``: ``{"file", "ok", "error", "format_version", "bytes",
+    "checksum"}`` (the last three ``None`` when the file is bad). Never raises for a bad file."""
+    try:
+        header = verify(path)
+    except KvpackError as exc:
+        return {"file": str(path), "ok": False, "error": str(exc), "format_version": None, "bytes": None,
+                "checksum": None}
+    return {"file": str(path), "ok": True, "error": None, "format_version": header.format_version,
+            "bytes": header.file_bytes, "checksum": C.CHECKSUM_NAMES.get(header.checksum, header.checksum)}
+
+
+def info_text(file: str | os.PathLike) -> str:
+    """The text ``kvpack info`` prints for ``file``: header facts, entries kept per layer, quantization errors,
+    bytes by section. Raises as ``kvpack.fileformat.load_pack`` (the whole file is validated)."""
+    out = []
+    pack = load_pack(file)  # validates the whole file
+    header = read_header(file)
+    meta = header.metadata
+    fp = meta.get("fingerprint") or {}
+    stats = meta.get("stats") or {}
+    source = meta.get("source") or {}
+    params = meta.get("method_params") or {}
+    rope = fp.get("rope") or {}
+    sliding = fp.get("sliding_layers") or []
+    rows = [
+        ("file", str(file)),
+        ("format", f"kvpack v{header.format_version}, {header.file_bytes:,} bytes, tensor checksums "
+                   f"{C.CHECKSUM_NAMES[header.checksum]}"),
+        ("kvpack version", str(meta.get("kvpack_version", "?"))),
+        ("model", str(fp.get("name") or "?")),
+        ("  architecture", f"{fp.get('architecture', '?')} ({fp.get('model_type', '?')})"),
+        ("  layers", str(fp.get("num_layers", "?"))),
+        ("  heads", f"{fp.get('num_heads', '?')} query, {fp.get('num_kv_heads', '?')} KV"),
+        ("  head dim", str(fp.get("head_dim", "?"))),
+        ("  RoPE", ", ".join(f"{k}={v}" for k, v in sorted(rope.items())) or "-"),
+        ("  sliding layers", (f"{', '.join(map(str, sliding))} (window {fp.get('sliding_window')}, kept intact)"
+                              if sliding else "none")),
+        ("  KV dtype", str(fp.get("dtype", "?"))),
+        ("  tokenizer", f"sha256 {_short(fp.get('tokenizer_sha256'))}"),
+        ("  weights", f"sha256 {_short(fp.get('weights_sha256'))}"),
+        ("method", f"{meta.get('method', '?')}"
+                   + (f" ({', '.join(f'{k}={v}' for k, v in sorted(params.items()))})" if params else "")),
+        ("ratio", str(meta.get("ratio", "?"))),
+        ("quantization", _quantization(header, pack)),
+        ("zstd", (f"level {header.zstd_level}: {header.file_bytes:,} bytes on disk, "
+                  f"{header.header_bytes + header.raw_bytes:,} decoded") if header.zstd_level else "off"),
+        ("tokens", f"{pack.original_tokens:,} ({pack.sink_tokens:,} sink + "
+                   f"{pack.original_tokens - pack.sink_tokens:,} context)"),
+        ("entries kept", _kept(pack, stats)),
+        *_budget_rows(stats),
+        *_head_rows(meta, pack),
+        ("source", f"{source.get('name', '?')} (sha256 {_short(source.get('sha256'))}, "
+                   f"{source.get('chars', '?'):,} chars)" if isinstance(source.get("chars"), int)
+                   else f"{source.get('name', '?')} (sha256 {_short(source.get('sha256'))})"),
+    ]
+    out.append(pairs(rows))
+
+    kinds = meta.get("layer_kinds") or []
+    out.append("\nentries kept per layer (per KV head: min / mean / max)")
+    layer_rows = []
+    for l, layer in enumerate(pack.layers):
+        hl = layer.head_lengths.double()
+        layer_rows.append((str(l), kinds[l] if l < len(kinds) else "?", f"{layer.num_entries:,}",
+                           f"{int(hl.min()):,}", f"{float(hl.mean()):,.1f}", f"{int(hl.max()):,}"))
+    out.append(table(("layer", "kind", "entries", "min", "mean", "max"), layer_rows, right=(0, 2, 3, 4, 5),
+                      indent="  "))
+    errors = stats.get("quant_error")
+    if isinstance(errors, list) and errors and all(isinstance(e, dict) for e in errors):
+        out.append("\nquantization error per layer (|dequantized - original| over all entries, KV units)")
+        err_rows = [(str(e.get("layer", "?")), *(_num(e.get(k)) for k in (
+            "key_max_abs", "key_mean_abs", "value_max_abs", "value_mean_abs")),
+            _num(100 * e["quantized_fraction"]) + "%" if isinstance(e.get("quantized_fraction"), (int, float))
+            else "?") for e in errors]
+        out.append(table(("layer", "key max", "key mean", "value max", "value mean", "quantized"), err_rows,
+                          right=(0, 1, 2, 3, 4, 5), indent="  "))
+
+    out.append("\nbytes by section")
+    sections = header.bytes_by_section()
+    sec_rows = [(name, f"{n:,}", f"{100 * n / max(1, header.file_bytes):.1f}%") for name, n in sections.items()]
+    sec_rows.append(("total", f"{header.file_bytes:,}", "100.0%"))
+    out.append(table(("section", "bytes", "share"), sec_rows, right=(1, 2), indent="  "))
+    return "\n".join(out)
+
+
+def _num(x) -> str:
+    return f"{x:.4g}" if isinstance(x, (int, float)) and not isinstance(x, bool) else "?"
+
+
+def _quantization(header, pack) -> str:
+    """The ``quantization`` row of ``kvpack info``: type, group size, layout (compact: the key code widths)."""
+    if not header.group_size:
+        return "none"
+    import torch
+
+    head = f"{header.quant_type}, group size {header.group_size}"
+    if header.quant_layout != C.QUANT_LAYOUT_COMPACT:
+        return f"{head}, KIVI layout (keys per channel, values per token; sink and residual rows in full precision)"
+    widths = torch.cat([l.quant.key_bits.reshape(-1) for l in pack.layers if l.quant is not None]).long()
+    counts = torch.bincount(widths, minlength=C.MAX_KEY_BITS + 1)
+    used = [(b, int(n)) for b, n in enumerate(counts.tolist()) if n]
+    widths = "/".join(str(b) for b, _ in used)
+    channels = "/".join(str(n) for _, n in used)
+    return (f"{head}, compact layout (key code widths {widths} bits on {channels} channels of all heads; 8-bit "
+            "group parameters; sink rows in full precision)")
+
+
+def _kept(pack, stats: dict) -> str:
+    total = f"{pack.kept_entries():,} stored"
+    kept, entries = stats.get("context_entries_kept"), stats.get("context_entries")
+    if isinstance(kept, int) and isinstance(entries, int) and entries:
+        return f"{total}; context: {kept:,} of {entries:,} ({100 * kept / entries:.1f}%), sink always kept"
+    return total
+
+
+def _budget_rows(stats: dict) -> list[tuple[str, str]]:
+    """``layer budgets`` (context entries kept per compressed layer) and D2O's ``merged`` line, when recorded."""
+    rows = []
+    budgets = stats.get("layer_budgets")
+    if isinstance(budgets, list) and budgets:
+        rows.append(("layer budgets", f"{', '.join(f'{b:,}' for b in budgets)} context entries "
+                                      "(per compressed layer, sink not counted)"))
+    merge = stats.get("merge")
+    if isinstance(merge, dict):
+        rows.append(("merged", f"{merge.get('merged', '?'):,} evicted entries merged into kept ones, "
+                               f"{merge.get('dropped', '?'):,} dropped"
+                     if all(isinstance(merge.get(k), int) for k in ("merged", "dropped")) else str(merge)))
+    return rows
+
+
+def _head_rows(meta: dict, pack) -> list[tuple[str, str]]:
+    """kvzip-head: ``heads kept`` (how many (layer, KV head) pairs hold the whole context) and one row per
+    compressed layer listing them; a head is kept when it holds every context token."""
+    kinds = meta.get("layer_kinds") or []
+    if meta.get("method") != "kvzip-head" or len(kinds) != len(pack.layers):
+        return []
+    context = pack.original_tokens - pack.sink_tokens
+    rows, kept_n, total = [], 0, 0
+    for l, layer in enumerate(pack.layers):
+        if kinds[l] != "compressed":
+            continue
+        kept = [h for h, n in enumerate(layer.head_lengths.tolist()) if n - pack.sink_tokens == context]
+        kept_n, total = kept_n + len(kept), total + len(layer.head_lengths)
+        rows.append((f"  layer {l}", ", ".join(map(str, kept)) if kept else "none"))
+    return [("heads kept", f"{kept_n} of {total} (layer, KV head) pairs hold the whole context; the others the "
+                           "sink (and the window, if any)"), *rows]
+
+
+def _short(digest) -> str:
+    return f"{digest[:12]}..." if isinstance(digest, str) and len(digest) > 12 else str(digest or "-")
+
+
+def pairs(rows) -> str:
+    """``key  value`` lines, keys padded to one width."""
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def table(headers, rows, *, right=(), indent: str = "") -> str:
+    """A plain-text table: ``headers`` then ``rows``, columns padded (those in ``right`` right-aligned) to their
+    width on a terminal (East Asian wide characters count two columns)."""
+    cols = list(zip(headers, *rows))
+    widths = [max(_width(str(c)) for c in col) for col in cols]
+
+    def cell(i: int, c, w: int) -> str:
+        pad = " " * (w - _width(str(c)))
+        return pad + str(c) if i in right else str(c) + pad
+
+    def line(cells):
+        return (indent + "  ".join(cell(i, c, w) for i, (c, w) in enumerate(zip(cells, widths)))).rstrip()
+
+    return "\n".join([line(headers)] + [line(r) for r in rows])
+
+
+def _width(text: str) -> int:
+    """Terminal columns of ``text``: wide and full-width characters take two."""
+    return sum(2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)

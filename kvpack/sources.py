@@ -1,0 +1,233 @@
+"""The contexts of ``kvpack build``: read files and folders into ``Context`` objects, never stopping at a bad one.
+
+    contexts = discover_contexts(["docs/"])     # .txt, .md: one context each; .jsonl: one per line
+    [c.name for c in contexts]                  # pack names mirroring the tree: ["a/notes", "data/q1", ...]
+    [c.error for c in contexts]                 # None, or why the context cannot be built ("the file is empty")
+
+A document that cannot be a context (empty, binary, not UTF-8, a bad jsonl line) becomes a ``Context`` with its
+``error`` set, so a build records it as failed and goes on with the others. Names come from ``kvpack.names``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Iterable
+
+from .errors import InputError
+from .names import PACK_SUFFIX, input_base, pack_names, part_name, relative_source
+
+__all__ = ["SUFFIXES", "Context", "discover_contexts", "split_text"]
+
+#: File suffixes ``discover_contexts`` reads; other files inside folders are skipped.
+SUFFIXES = (".txt", ".md", ".jsonl")
+_JSONL_HINT = 'each line must be one JSON object like {"id": "doc1", "text": "..."}'
+_PARAGRAPH_END = re.compile(r"\n[ \t]*\n\s*")
+
+
+@dataclass(frozen=True)
+class Context:
+    """One document to compress (or one that cannot be, with ``error`` set).
+
+    Attributes:
+        name: the pack's name relative to the output folder, a POSIX path without ``.kvpack`` (``a/notes``).
+        text: the document's text (``None`` when ``error`` is set).
+        source: the file's path relative to the mirrored input folder (``a/notes.txt``), POSIX.
+        file: the file it came from, as found on disk.
+        id: a jsonl line's ``id`` as a string (``None`` for ``.txt``/``.md`` files and lines without one).
+        line: 1-based line number in a ``.jsonl`` file, ``None`` for ``.txt``/``.md``.
+        part, parts: for a part of a split context, its 1-based number and the number of parts.
+        error: why the context cannot be built, ``None`` when it can.
+    """
+
+    name: str
+    text: str | None
+    source: str
+    file: Path
+    id: str | None = None
+    line: int | None = None
+    part: int | None = None
+    parts: int | None = None
+    error: str | None = None
+
+    @property
+    def where(self) -> str:
+        """``file`` or ``file:line``, for messages."""
+        return f"{self.file}:{self.line}" if self.line is not None else str(self.file)
+
+    @property
+    def source_name(self) -> str:
+        """What the pack records as its source: ``source``, ``:line`` for a jsonl line, ``#part-NNN`` for a part."""
+        name = f"{self.source}:{self.line}" if self.line is not None else self.source
+        return f"{name}#part-{self.part:03d}" if self.part is not None else name
+
+    @property
+    def pack(self) -> str:
+        """The pack's path relative to the output folder (``a/notes.kvpack``), POSIX."""
+        return self.name + PACK_SUFFIX
+
+    def parts_of(self, texts: list[str]) -> list["Context"]:
+        """This context cut into consecutive parts holding ``texts``, named ``NAME.part-001``, ..."""
+        return [replace(self, name=part_name(self.name, k), text=t, part=k, parts=len(texts))
+                for k, t in enumerate(texts, start=1)]
+
+
+def discover_contexts(inputs: Iterable[str | os.PathLike]) -> list[Context]:
+    """Read the contexts in ``inputs`` (files or folders), in a deterministic order, with mirrored pack names.
+
+    Folders are walked recursively in sorted order; files and folders whose names start with ``.`` are ignored,
+    as are files with a suffix other than ``.txt``, ``.md`` and ``.jsonl``. Inputs are taken in the order given;
+    a file reached twice (named, and inside a named folder) is read once. Names follow ``kvpack.names``: relative
+    to the one folder input (or the inputs' common parent), a jsonl file's lines under a folder named after it.
+
+    * ``.txt``, ``.md``: the whole file (UTF-8) is one context.
+    * ``.jsonl``: one JSON object per non-blank line, with a string ``"text"`` and an optional ``"id"`` (string or
+      integer; without one the line number names the pack).
+
+    A context that cannot be built gets ``error`` (the file is empty, holds NUL bytes, is not UTF-8 or cannot be
+    read; a jsonl line is not an object with a non-empty string ``text`` or has a bad ``id``); the rest are read.
+
+    Returns:
+        The contexts, at least one.
+
+    Raises:
+        InputError: no input; a path does not exist; an explicitly named file has an unsupported suffix; no
+            supported file was found at all.
+    """
+    inputs = [Path(i) for i in inputs]
+    if not inputs:
+        raise InputError("no input given; pass one or more .txt, .md or .jsonl files or folders holding them")
+    files: list[Path] = []
+    for path in inputs:
+        if path.is_dir():
+            files.extend(_walk(path))
+        elif path.is_file():
+            if path.suffix.lower() not in SUFFIXES:
+                raise InputError(f"{path}: unsupported file type {path.suffix or '(no suffix)'!r}; kvpack build "
+                                 f"reads {', '.join(SUFFIXES)} files (convert it to .txt, or pass a folder)")
+            files.append(path)
+        elif path.exists():
+            raise InputError(f"{path}: not a regular file or folder; pass .txt, .md or .jsonl files or folders")
+        else:
+            raise InputError(f"{path}: no such file or folder; check the path")
+    if not files:
+        raise InputError(f"no .txt, .md or .jsonl files found in {', '.join(str(i) for i in inputs)}; "
+                         "pass files or folders that hold some")
+    seen, unique = set(), []
+    for f in files:  # a file named twice (or a file and its folder) counts once
+        if f.resolve() not in seen:
+            seen.add(f.resolve())
+            unique.append(f)
+    base = input_base([p.resolve().as_posix() for p in inputs], [p.is_dir() for p in inputs])
+    drafts: list[Context] = []
+    for f in unique:
+        drafts.extend(_read_file(f, relative_source(base, f.resolve().as_posix())))
+    names = pack_names((c.source, None if c.line is None else (c.id if c.id is not None else str(c.line)))
+                       for c in drafts)
+    return [replace(c, name=n) for c, n in zip(drafts, names)]
+
+
+def _walk(folder: Path) -> list[Path]:
+    """Supported files under ``folder``, recursively, sorted by path; hidden entries skipped."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for f in sorted(files):
+            if not f.startswith(".") and Path(f).suffix.lower() in SUFFIXES:
+                found.append(Path(root) / f)
+    return sorted(found, key=lambda p: p.relative_to(folder).parts)
+
+
+def _read_text(path: Path) -> tuple[str | None, str | None]:
+    """``(text, None)``, or ``(None, why it is not text)``."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        return None, f"cannot read the file: {exc.strerror or exc}; check the path and permissions"
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        return None, f"not text: it holds NUL bytes (byte {nul}; a binary file?); pass text files"
+    try:
+        return data.decode("utf-8"), None
+    except UnicodeDecodeError as exc:
+        return None, f"not valid UTF-8 text (byte {exc.start}); save the file as UTF-8"
+
+
+def _read_file(path: Path, source: str) -> list[Context]:
+    text, error = _read_text(path)
+    jsonl = path.suffix.lower() == ".jsonl"
+    if error is None and not (text or "").strip():
+        error = "the file is empty; remove it or give it some text"
+    if error is not None or not jsonl:
+        return [Context("", None if error else text, source, path, error=error)]
+    out = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            out.append(_jsonl_line(line, source, path, number))
+    return out or [Context("", None, source, path, error="no lines; remove the file or add lines like "
+                                                         '{"id": "doc1", "text": "..."}')]
+
+
+def _jsonl_line(line: str, source: str, path: Path, number: int) -> Context:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return Context("", None, source, path, line=number,
+                       error=f"not valid JSON ({exc.msg} at column {exc.colno}); {_JSONL_HINT}")
+    ident = obj.get("id") if isinstance(obj, dict) else None
+    bad_id = ident is not None and (isinstance(ident, bool) or not isinstance(ident, (str, int)) or str(ident) == "")
+    ident = None if ident is None or bad_id else str(ident)
+    error = None
+    if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+        error = f'no string "text" field; {_JSONL_HINT}'
+    elif bad_id:
+        error = f'"id" must be a non-empty string or an integer, got {json.dumps(obj.get("id"))}'
+    elif not obj["text"].strip():
+        error = 'the "text" field is empty; give it some text or remove the line'
+    return Context("", None if error else obj["text"], source, path, id=ident, line=number, error=error)
+
+
+def split_text(text: str, fits: Callable[[str], bool]) -> list[str]:
+    """Cut ``text`` at paragraph boundaries (blank lines; inside a paragraph too long alone, at line ends) into
+    consecutive pieces that each satisfy ``fits`` (e.g. "is at most N tokens"); joined they give ``text``.
+
+    Pieces are filled greedily in order. Raises ``InputError`` when a single line does not fit.
+    """
+    pieces: list[str] = []
+    current = ""
+    for unit in _units(text, fits):
+        if current and not fits(current + unit):
+            pieces.append(current)
+            current = ""
+        current += unit
+    if current:
+        if pieces and not current.strip():
+            pieces[-1] += current
+        else:
+            pieces.append(current)
+    return pieces
+
+
+def _units(text: str, fits: Callable[[str], bool]) -> list[str]:
+    """Paragraphs of ``text`` (each with the blank lines after it); a paragraph that does not fit alone is given
+    as its lines. Raises ``InputError`` for a line that does not fit alone."""
+    units: list[str] = []
+    start = 0
+    for m in list(_PARAGRAPH_END.finditer(text)) + [None]:
+        end = m.end() if m is not None else len(text)
+        para = text[start:end]
+        start = end
+        if not para:
+            continue
+        if fits(para):
+            units.append(para)
+            continue
+        for ln in para.splitlines(keepends=True):
+            if not fits(ln):
+                raise InputError(f"a single line of {len(ln):,} characters is longer than the model allows, so "
+                                 "the text cannot be cut at paragraph or line boundaries; break the line")
+            units.append(ln)
+    return units
