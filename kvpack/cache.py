@@ -57,6 +57,8 @@ class PackedLayer(CacheLayerMixin):
         self.dtype, self.device = keys.dtype, keys.device
         #: ``[kv_heads, kept]`` float32 buffer set while KVzip scores; ``None`` otherwise.
         self.scores: torch.Tensor | None = None
+        #: KVzip+'s ``(entry, query)`` weights of those scores (``kvpack.attention.masked_attention``), or ``None``.
+        self.score_weights: tuple[torch.Tensor, torch.Tensor] | None = None
         #: every head holds all ``kept`` entries (no padding), so masks reduce to causality among new tokens
         self.dense = bool((positions >= 0).all()) if dense is None else bool(dense)
         self.biases = biases

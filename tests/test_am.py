@@ -262,10 +262,10 @@ def test_save_load_generate_with_biases(arch, dtype, tmp_path):
 def test_bench_method_specs():
     from kvpack.bench.grid import expand_grid, parse_method_spec
 
-    assert parse_method_spec("am:values=copy:queries=64:on_policy=true") == (
+    assert parse_method_spec("am[values=copy;queries=64;on_policy=true]") == (
         "am", {"values": "copy", "queries": 64, "on_policy": True})
     assert parse_method_spec("kvzip") == ("kvzip", {})
-    for bad in ("am:values", "am:values=lsq", "nope:x=1", "kvzip:values=copy"):
+    for bad in ("am[values]", "am[values=lsq]", "nope[x=1]", "kvzip[values=copy]", "am:values=copy"):
         with pytest.raises(InputError):
             parse_method_spec(bad)
-    assert [v.label for v in expand_grid(["am:values=merge"], [0.1], ["none"])] == ["none@1", "am:values=merge@0.1"]
+    assert [v.label for v in expand_grid(["am[values=merge]"], [0.1], ["none"])] == ["none@1", "am[values=merge]@0.1"]
