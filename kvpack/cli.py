@@ -456,8 +456,8 @@ def _csv(kind, name):
 @cli.command()
 @click.option("--methods", callback=_csv(str, "method names"), metavar="M1,M2",
               help="kvpack methods, each a name or NAME[key=value;...] with its parameters, e.g. d2o[merge=values], "
-                   "kvzip[scoring=plus], kvzip-head[heads=FILE] [default: all but kvzip-head: kvzip,d2o,"
-                   "d2o[merge=values],d2o[merge=off],snapkv,pyramidkv,h2o,streaming,knorm,random; quick: "
+                   "kvzip[scoring=plus], am[values=copy], kvzip-head[heads=FILE] [default: all but kvzip-head and am: "
+                   "kvzip,d2o,d2o[merge=values],d2o[merge=off],snapkv,pyramidkv,h2o,streaming,knorm,random; quick: "
                    "kvzip,streaming].")
 @click.option("--ratios", callback=_csv(float, "ratios"), metavar="R1,R2",
               help="Fractions of KV entries kept [default: 1.0,0.5,0.3,0.2,0.1; quick: 1.0,0.3].")

@@ -37,9 +37,10 @@ __all__ = ["TASKS", "DEFAULT_METHODS", "BenchConfig", "run_bench", "estimate_sec
 #: Task names, in the order they run.
 TASKS = ("needle", "multiquery", "continuation", "speed", "memory")
 #: Methods of the default grid: every registered method (``none`` is the ratio-1.0 row) but ``kvzip-head``, which needs
-#: a head-score file (``kvpack heads``; run it as ``kvzip-head[heads=FILE]``), plus D2O's other merge modes.
-DEFAULT_METHODS = ("kvzip", "d2o", "d2o[merge=values]", "d2o[merge=off]", "snapkv", "pyramidkv", "h2o", "streaming",
-                   "knorm", "random")
+#: a head-score file (``kvpack heads``; run it as ``kvzip-head[heads=FILE]``), and ``am`` (its fit costs ~1.2x KVzip's
+#: build; run it as ``am`` or ``am[values=copy]``), plus D2O's other merge modes.
+DEFAULT_METHODS = ("kvzip", "d2o", "d2o[merge=values]", "d2o[merge=off]", "snapkv", "pyramidkv", "h2o",
+                   "streaming", "knorm", "random")
 
 
 @dataclass
