@@ -17,13 +17,14 @@ from .reference import (dequantize_int4_keys, dequantize_int4_values, pack_int4,
                         quantize_int4_values, unpack_int4, varlen_decode_reference)
 
 try:  # triton is optional; any failure to import it means "reference path only"
+    from .compact_decode import compact_decode_triton
     from .varlen_decode import varlen_decode_triton
     HAS_TRITON = True
 except Exception:  # noqa: BLE001 - ImportError, or a broken triton install
-    varlen_decode_triton = None
+    varlen_decode_triton = compact_decode_triton = None
     HAS_TRITON = False
 
-__all__ = ["varlen_decode", "varlen_decode_reference", "varlen_decode_triton", "HAS_TRITON",
+__all__ = ["varlen_decode", "varlen_decode_reference", "varlen_decode_triton", "compact_decode_triton", "HAS_TRITON",
            "dequantize_int4_keys", "dequantize_int4_values", "quantize_int4_keys", "quantize_int4_values",
            "pack_int4", "unpack_int4"]
 

@@ -1,23 +1,20 @@
 """kvpack's attention function, registered with transformers' ``AttentionInterface`` as ``"kvpack"``.
 
-A ``PackedLayer`` (see ``kvpack.cache``) returns keys that carry a reference to the layer; for those keys this
-function builds each KV head's visibility from the entries' original RoPE positions:
-
-    visible[h, i, j] = pos[h, j] >= 0  and  pos[h, j] <= qpos[i]  (and qpos[i] - pos[h, j] < window when sliding)
-
-(``pos = -1`` marks padding of shorter heads), so every head attends only to its kept entries plus the new tokens.
-A layer with per-entry biases (Attention Matching's beta, arXiv 2602.16284 §3: ``PackedLayer.biases``) adds them to
-the logits, ``softmax(q . k * scaling + beta)``, new tokens at 0: ``logit_mask`` turns visibility and biases into
-the one additive mask SDPA takes (and the explicit scored path adds them to its logits).
-For any other keys it is exactly transformers' SDPA attention, so a model switched to ``"kvpack"`` behaves as
-before with ordinary caches.
+A ``PackedLayer`` (see ``kvpack.cache``) returns its tail's keys tagged with a reference to the layer; for those
+keys this function attends every KV head over its own packed kept entries (with their attention-logit biases)
+plus the tail (``kvpack.varlen.packed_attention``). For any other keys it is exactly transformers' SDPA
+attention, so a model switched to ``"kvpack"`` behaves as before with ordinary caches.
 
 While KVzip scores (arXiv 2505.23416 §3.2, Eq. 2) the layer also carries a score buffer (shape
 ``[kv_heads, kept_entries]``) into which ``max`` over queries and over the query heads of each GQA group of the
-attention probabilities is folded. On CPU, when every head sees all its entries (KVzip's repeat pass), float32
-takes one explicit blocked pass that gives the output and the scores from the same probabilities
-(``kvpack.stats.one_pass_attention``); other CPU cases take the fused flash kernel for the output and each
-query's log-sum-exp, then one blocked product for the probabilities (``update_max_scores``); elsewhere the
+attention probabilities is folded; the layer's entries are then laid out on one ``[kv_heads, kept + tail]`` grid
+(``PackedLayer.padded``: a view when every head holds the same entries, as in KVzip's prefill views), each head
+masked to its own entries: ``visible[h, i, j] = pos[h, j] >= 0 and pos[h, j] <= qpos[i]`` (and
+``qpos[i] - pos[h, j] < window`` when sliding), ``pos = -1`` marking padding. On CPU, when every head sees all
+its entries (KVzip's repeat pass), float32 takes one explicit blocked pass that gives the output and the scores
+from the same probabilities (``kvpack.stats.one_pass_attention``); other CPU cases take the fused flash kernel
+for the output and each query's log-sum-exp, then one blocked product for the probabilities
+(``update_max_scores``); elsewhere the
 softmax is computed explicitly in query blocks.
 
 While a context is prefilled for a method that scores by prefill attention (H2O, D2O, SnapKV, PyramidKV),
@@ -38,6 +35,7 @@ import torch.nn.functional as F
 
 from .errors import UnsupportedModelError
 from .stats import attention_with_column_sums, one_pass_applies, one_pass_attention, visible_mask
+from .varlen import packed_attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "register", "use_kvpack_attention", "masks_unused", "masked_attention", "logit_mask",
            "scored_attention_dense", "update_max_scores", "attention_with_lse", "QUERY_BLOCK"]
@@ -325,14 +323,29 @@ def kvpack_attention_forward(module, query, key, value, attention_mask, dropout:
     if layer.queries is not None:  # Attention Matching's reference queries (post q-norm and RoPE)
         layer.queries.append((query[0].detach(), float(scaling)))
     window = kwargs.get("sliding_window")
-    bias = layer.logit_bias()
-    weights = layer.score_weights
-    if (layer.scores is not None and bias is None and weights is None and query.device.type == "cpu" and layer.dense
-            and window is None and layer.tail_length == query.shape[2]):
+    if layer.scores is None:
+        return packed_attention(query, layer, scaling, window), None
+    # KVzip's repeat pass (kvpack.methods.kvzip) over a prefill view: one [kv_heads, kept + tail] grid; biases
+    # appear here only in Attention Matching's on-policy passes (earlier layers already compacted)
+    key, value, positions, bias = layer.padded()
+    weights = layer.score_weights  # KVzip+ (kvpack.methods.kvzip_plus)
+    if (bias is None and weights is None and query.device.type == "cpu" and layer.dense and window is None
+            and layer.tail_length == query.shape[2]):
         return scored_attention_dense(query, key, value, layer.kept, scaling, layer.scores), None
-    visible = layer.visibility(query.shape[2], window)
+    visible = _visibility(positions, query.shape[2], window)
     return masked_attention(query, key, value, visible, scaling, scores=layer.scores, bias=bias,
                             score_weights=weights), None
+
+
+def _visibility(positions: torch.Tensor, q_len: int, sliding_window: int | None) -> torch.Tensor:
+    """``[kv_heads, q_len, kv]`` bool: which entries (``positions`` ``[kv_heads, kv]``, ``-1`` for padding) each of
+    the last ``q_len`` entries may attend to."""
+    kpos = positions[:, None, :]
+    qpos = positions[0, -q_len:][None, :, None]
+    visible = (kpos >= 0) & (kpos <= qpos)
+    if sliding_window is not None:
+        visible &= (qpos - kpos) < sliding_window
+    return visible
 
 
 @contextlib.contextmanager

@@ -84,7 +84,8 @@ def load_model(name_or_path: str | os.PathLike | None = None, *, device=None, dt
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
+        tokenizer = (_declared_backend(path) if local else None) or AutoTokenizer.from_pretrained(
+            path, local_files_only=local_only)
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dt, local_files_only=local_only, attn_implementation="sdpa"
         )
@@ -105,6 +106,30 @@ def load_model(name_or_path: str | os.PathLike | None = None, *, device=None, dt
     model.to(dev).eval()
     model.kvpack_name = REFERENCE_MODEL_NAME if path == REFERENCE_MODEL_DIR else str(name_or_path)
     return model, tokenizer
+
+
+def _declared_backend(path):
+    """The folder's tokenizer loaded as its own ``tokenizer.json`` says, where ``tokenizer_config.json`` declares
+    ``TokenizersBackend`` (transformers 5's name for exactly that); else ``None``.
+
+    ``AutoTokenizer`` swaps in the model type's own class for some types (qwen2 among them) whatever the folder
+    declares, and that class rebuilds its own normalizer and pre-tokenizer: a qwen2-shaped folder carrying the
+    reference tokenizer (``tools/make_shape_model.py``) would tokenize differently from the reference.
+    """
+    cfg = Path(path) / "tokenizer_config.json"
+    if not (cfg.is_file() and (Path(path) / "tokenizer.json").is_file()):
+        return None
+    import json
+
+    try:
+        declared = json.loads(cfg.read_text(encoding="utf-8")).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None  # let AutoTokenizer report the broken file
+    if declared != "TokenizersBackend":
+        return None
+    from transformers import TokenizersBackend
+
+    return TokenizersBackend.from_pretrained(path, local_files_only=True)
 
 
 def model_path(name_or_path: str | os.PathLike | None) -> tuple[str | Path, bool]:

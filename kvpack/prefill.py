@@ -57,7 +57,7 @@ class Prefill:
 
         Sliding layers hold their intact window. The cache's logical length is the full ``tokens``, so anything
         fed next sits at positions after the whole context (as KVzip's repeat pass does). Slices are views, not
-        copies, except for the concatenation with the sink.
+        copies, except for the concatenation with the sink (and the rows of a non-contiguous layer).
         """
         layers = []
         for l, (k, v, pos) in enumerate(zip(self.keys, self.values, self.positions)):
@@ -68,8 +68,9 @@ class Prefill:
                 idx_k = torch.cat([k[:, : self.sink], k[:, s:e]], dim=1)
                 idx_v = torch.cat([v[:, : self.sink], v[:, s:e]], dim=1)
                 idx_p = torch.cat([pos[: self.sink], pos[s:e]])
-            layers.append(PackedLayer(idx_k.unsqueeze(0), idx_v.unsqueeze(0),
-                                      idx_p.unsqueeze(0).expand(k.shape[0], -1), self.tokens,
+            heads, n = idx_k.shape[0], idx_k.shape[1]
+            layers.append(PackedLayer(idx_k.reshape(heads * n, -1), idx_v.reshape(heads * n, -1),
+                                      idx_p.repeat(heads), [n] * heads, self.tokens,
                                       sliding=l in self.spec.sliding_layers))
         return KvpackCache(layers, self.token_ids, {})
 

@@ -1,7 +1,8 @@
 """``KvpackCache.from_pack`` lays every layer out exactly like a plain per-head reference does.
 
 The loader dequantizes all layers at once and concatenates every head's blocks in one copy per tensor kind; the
-reference here dequantizes each layer alone (``LayerEntries.dequantized``) and pads head by head.
+reference here dequantizes each layer alone (``LayerEntries.dequantized``) and pads head by head, which is what
+``PackedLayer.padded`` (KVzip's scoring grid) must give from the packed rows.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def test_from_pack_matches_a_per_head_reference(golden, dtype):
     cache = KvpackCache.from_pack(pack, dtype=dtype)
     for entries, layer in zip(pack.layers, cache.layers):
         keys, values, positions = _reference_layer(entries, dtype)
-        for got, want in ((layer.keys, keys), (layer.values, values), (layer.positions, positions)):
+        for got, want in zip(layer.padded()[:3], (keys, values, positions)):
             assert got.dtype == want.dtype and got.shape == want.shape and got.stride() == want.stride()
             assert torch.equal(_bits(got), _bits(want))
         assert layer.dense == bool((positions >= 0).all())
@@ -59,11 +60,12 @@ def test_layers_of_different_dtypes_keep_their_own():
     mixed = [LayerEntries(e.keys.to(dt), e.values.to(dt), e.positions, e.head_lengths)
              for e, dt in zip(pack.layers, (torch.float16, torch.bfloat16))]
     cache = KvpackCache.from_pack(Pack(pack.token_ids, mixed, pack.sink_tokens, pack.metadata))
-    assert [layer.keys.dtype for layer in cache.layers] == [torch.float16, torch.bfloat16]
+    assert [layer.kept_keys.dtype for layer in cache.layers] == [torch.float16, torch.bfloat16]
     for entries, layer in zip(mixed, cache.layers):
         keys, values, positions = _reference_layer(entries, None)
-        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
-        assert torch.equal(layer.positions, positions)
+        got_keys, got_values, got_positions, _ = layer.padded()
+        assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
+        assert torch.equal(got_positions, positions)
 
 
 def test_rows_that_do_not_match_the_head_lengths_are_refused():

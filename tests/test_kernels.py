@@ -271,3 +271,92 @@ def test_reference_biases_match_explicit_softmax():
         logits = [float(q[j] @ k[n]) * 0.4 + float(b[n]) for n in range(len(k))]
         weights = torch.tensor([math.exp(x - max(logits)) for x in logits])
         torch.testing.assert_close(out[j], (weights / weights.sum()) @ v, atol=1e-5, rtol=1e-5)
+
+
+@requires_kernel
+def test_kernel_rejects_bad_biases():
+    args = make_inputs(2, 2, 64, [3, 5], [], 1, torch.float32, quant=False)
+    for bad in (torch.zeros(7), torch.zeros(8, dtype=torch.float16)):
+        with pytest.raises(ValueError, match="fp_biases"):
+            kernels.varlen_decode_triton(**args, fp_biases=bad.to(DEVICE))
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("biased", [True, False])
+def test_cache_decode_through_the_kernel_matches_the_cpu_path(dtype, biased):
+    """The call kvpack's packed cache makes on CUDA (``kvpack.varlen.triton_decode``) against its CPU path."""
+    from kvpack.cache import PackedLayer
+    from kvpack.varlen import _packed_attention_torch, triton_decode
+
+    gen = torch.Generator().manual_seed(4)
+    lengths, d, hkv, g = [40, 0, 3, 77], 64, 4, 3
+    n = sum(lengths)
+    layer = PackedLayer(torch.randn(n, d, generator=gen).to(dtype).to(DEVICE),
+                        torch.randn(n, d, generator=gen).to(dtype).to(DEVICE),
+                        torch.cat([torch.arange(m) for m in lengths]).to(DEVICE), lengths, 100,
+                        biases=(torch.randn(n, generator=gen) * 2).to(DEVICE) if biased else None)
+    layer.update(torch.randn(1, hkv, 3, d, generator=gen).to(dtype).to(DEVICE),
+                 torch.randn(1, hkv, 3, d, generator=gen).to(dtype).to(DEVICE))
+    query = torch.randn(1, hkv * g, 1, d, generator=gen).to(dtype).to(DEVICE)
+    out = triton_decode(query, layer, d ** -0.5, validate=True)
+    expected = _packed_attention_torch(query, layer, d ** -0.5, None)
+    assert out.shape == expected.shape == (1, 1, hkv * g, d)
+    assert_close_report(out[0, 0], expected[0, 0], *TOLERANCES[dtype], what=f"cache decode {dtype}")
+
+
+# --- the compact quantized layout (format v4/v5), dequantized on the fly ----------------------------------------
+
+
+def _compact_layer(qtype, d, group, energy_seed, biased):
+    """A compact-quantized layer of 5 KV heads (sink rows, bodies with short last groups, a head below G, an empty
+    head), per-channel key widths from random query energies, and optional per-entry biases."""
+    from kvpack.pack import LayerEntries, Pack
+    from kvpack.quant import quantize_pack
+
+    gen = torch.Generator().manual_seed(energy_seed)
+    heads = [[0, 1, 2, *range(10, 80)], [0, 1, 2, *range(5, 20)], list(range(40, 72)), [], [1, *range(4, 45)]]
+    n = sum(map(len, heads))
+    layer = LayerEntries(torch.randn(n, d, generator=gen) + torch.randn(1, d, generator=gen) * 3,
+                         torch.randn(n, d, generator=gen),
+                         torch.tensor([p for h in heads for p in h], dtype=torch.int32),
+                         torch.tensor([len(h) for h in heads]),
+                         biases=(torch.randn(n, generator=gen) * 2) if biased else None)
+    energy = [torch.rand(len(heads), d, generator=gen) ** 4]  # skewed: the widths differ across channels
+    q = quantize_pack(Pack(torch.arange(80), [layer], 3, {}), qtype, group, query_energy=energy)
+    return q.layers[0]
+
+
+@requires_kernel
+@pytest.mark.parametrize("qtype,group", [("int4", 16), ("int4", 32), ("int8", 16)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("biased", [True, False])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_compact_kernel_matches_the_cache_over_dequantized_rows(qtype, group, dtype, biased, splits):
+    """The kernel reading the stored compact codes equals the cache's CPU path over the rows the loader
+    dequantizes (``KvpackCache.from_pack``) from the same layer, biases included."""
+    from kvpack.cache import KvpackCache
+    from kvpack.pack import Pack
+    from kvpack.varlen import _packed_attention_torch, compact_kernel_args
+
+    d, hkv, g = 32, 5, 3
+    entries = _compact_layer(qtype, d, group, 7, biased)
+    assert entries.quant.layout == "compact"
+    assert qtype == "int8" or entries.quant.key_bits.unique().numel() > 1  # int8: every width is 8
+    layer = KvpackCache.from_pack(Pack(torch.arange(80), [entries], 3, {}), dtype=dtype, device=DEVICE).layers[0]
+    gen = torch.Generator().manual_seed(8)
+    layer.update(torch.randn(1, hkv, 2, d, generator=gen).to(dtype).to(DEVICE),
+                 torch.randn(1, hkv, 2, d, generator=gen).to(dtype).to(DEVICE))
+    query = (torch.randn(1, hkv * g, 1, d, generator=gen) * 2).to(dtype).to(DEVICE)
+    args = compact_kernel_args(entries, dtype, DEVICE)
+    out = kernels.compact_decode_triton(query[0, :, 0], tail_keys=layer.keys[0], tail_values=layer.values[0],
+                                        scale=d ** -0.5, num_splits=splits, **args)
+    expected = _packed_attention_torch(query, layer, d ** -0.5, None)[0, 0]
+    assert_close_report(out, expected, *TOLERANCES[dtype], what=f"compact {qtype} G={group} {dtype}")
+
+
+def test_compact_scale_multipliers_are_the_formats():
+    from kernels.compact_decode import scale_multipliers
+    from kvpack.compact import scale_table
+
+    assert torch.equal(scale_multipliers("cpu"), scale_table(torch.ones(1))[0])

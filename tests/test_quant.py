@@ -139,13 +139,9 @@ def test_loader_dequantizes_exactly_like_the_codec(qtype, zstd):
     cache = KvpackCache.from_pack(loaded, dtype=torch.float32)
     for layer, ql in zip(cache.layers, q.layers):
         deq = ql.dequantized(torch.float32)
-        off = ql.head_offsets()
-        for h in range(len(ql.head_lengths)):
-            n = int(ql.head_lengths[h])
-            assert torch.equal(layer.keys[0, h, :n], deq.keys[int(off[h]) : int(off[h]) + n])
-            assert torch.equal(layer.values[0, h, :n], deq.values[int(off[h]) : int(off[h]) + n])
-            assert torch.equal(layer.positions[h, :n], ql.positions[int(off[h]) : int(off[h]) + n].long())
-            assert (layer.positions[h, n:] == -1).all()
+        assert torch.equal(layer.kept_keys, deq.keys) and torch.equal(layer.kept_values, deq.values)
+        assert torch.equal(layer.kept_positions, ql.positions.long())
+        assert torch.equal(layer.offsets, ql.head_offsets())
         # the codec's own functions give the same body rows
         body = dequantize_rows(ql.quant)[0]
         assert torch.equal(body, deq.keys[~torch.isin(torch.arange(ql.num_entries), _fp_rows(ql))])

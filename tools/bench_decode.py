@@ -1,18 +1,26 @@
 """Decode-step benchmark: full-cache SDPA against kernels.varlen_decode on per-head variable-length KV.
 
-One layer of an 8B-shaped model (32 query heads, 8 KV heads, head dim 128), batch 1, one new token:
+One layer of an 8B-shaped model (32 query heads, 8 KV heads, head dim 128; `--model DIR` takes the shape of a
+model folder instead), batch 1, one new token:
   sdpa-full      torch SDPA over the full `--tokens` KV in bf16 (GQA via enable_gqa), each backend that
                  accepts it (flash, efficient, cudnn) and the default choice; the fastest is the baseline
   ours-full      our kernel over the same full KV (same bytes as SDPA: kernel efficiency alone)
   ours-keep      our kernel, bf16, random non-uniform per-head budgets summing to keep * Hkv * tokens
   ours-keep-int4 the same budgets, each head's rows in int4 (KIVI layout, G = --group-size) except the
                  last budget % G rows, which stay bf16 (residual), plus the current token in the tail
+  ours-keep-compact-int4  (CUDA) kernels.compact_decode_triton over the ours-keep rows in format v5's compact
+                 int4 layout (kvpack.quant.quantize_pack), codes and 8-bit parameters read as stored
+  packed-cache   the path kvpack's loaded cache takes (kvpack.varlen.packed_attention over a PackedLayer of
+                 the ours-keep rows): the Triton kernel on CUDA, per-head fused flash calls on CPU
+  packed-cache-full  the same path over the full KV (every head all --tokens rows): the ratio of packed-cache
+                 to it is the keep ratio's own gain, without the gain of the path over SDPA
+  masked-padded  what the loaded cache did before: every head padded to the longest, masked SDPA (GQA)
 GPU timings: CUDA events around one call, the L2 flushed before each (so the cache is read from HBM, as in
 a real multi-layer decode step), median over --reps. Prints a Markdown table (with the command line and
 versions) and writes it, plus JSON, to $OUT (or --out) when set.
 
     python tools/bench_decode.py                         # CUDA, 32K tokens (tools/gpu_check.sh)
-    python tools/bench_decode.py --device cpu --tokens 2048   # smoke test: reference path, wall clock
+    python tools/bench_decode.py --device cpu --dtype float32 --tokens 32768 --reps 15 --no-reference
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
 from kernels import reference as ref  # noqa: E402
+from kvpack.varlen import _packed_attention_torch, packed_attention  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -40,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--keep", type=float, default=0.3)
+    p.add_argument("--model", default=None,
+                   help="model folder whose attention shape to use (overrides --heads/--kv-heads/--head-dim)")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -47,9 +58,21 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=100)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--threads", type=int, default=None, help="CPU: torch threads (default: torch's own)")
+    p.add_argument("--no-reference", action="store_true",
+                   help="skip the ours-* rows of the reference path (CPU: slow, a per-head concatenation)")
     p.add_argument("--sweep", action="store_true", help="also time launch configurations of our kernel (CUDA)")
     p.add_argument("--out", default=os.environ.get("OUT"), help="folder for bench_decode.md/.json (default $OUT)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.model is not None:  # e.g. a tools/make_shape_model.py folder: one layer of that model's shape
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(args.model, local_files_only=True)
+        args.heads = cfg.num_attention_heads
+        args.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        args.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return args
 
 
 def versions(device):
@@ -89,7 +112,7 @@ def budgets(hkv, tokens, keep, gen):
 def build(args, dev):
     gen = torch.Generator().manual_seed(args.seed)
     H, hkv, D, N, G = args.heads, args.kv_heads, args.head_dim, args.tokens, args.group_size
-    bf = torch.bfloat16
+    bf = getattr(torch, args.dtype)
 
     def rnd(*shape):
         return torch.randn(*shape, generator=gen).to(bf).to(dev)
@@ -123,6 +146,45 @@ def build(args, dev):
                                   key_codes=kc, key_scales=ks, key_mins=km, value_codes=vc, value_scales=vs,
                                   value_mins=vm, q_offsets=q_off, group_size=G)
     return q, k_full, v_full, scale, case, b
+
+
+def packed_layer(a, tokens):
+    """A kvpack ``PackedLayer`` holding case ``a``'s rows (offsets, the one-token tail), and the same rows padded
+    per head to the longest with a ``[1, H, 1, longest + 1]`` visibility mask (the loaded cache's old layout)."""
+    from kvpack.cache import PackedLayer
+
+    off = a["fp_offsets"].tolist()
+    lengths = [e - s for s, e in zip(off, off[1:])]
+    layer = PackedLayer(a["fp_keys"], a["fp_values"], torch.zeros(off[-1], dtype=torch.long, device=a["q"].device),
+                        lengths, tokens - 1)
+    layer.update(a["tail_keys"][None], a["tail_values"][None])
+    hkv, m = len(lengths), max(lengths)
+    d = a["fp_keys"].shape[1]
+    pk = a["fp_keys"].new_zeros(1, hkv, m + 1, d)
+    pv = a["fp_values"].new_zeros(1, hkv, m + 1, d)
+    mask = torch.zeros(1, hkv, 1, m + 1, dtype=torch.bool, device=pk.device)
+    for h, n in enumerate(lengths):
+        pk[0, h, :n], pv[0, h, :n] = a["fp_keys"][off[h]:off[h + 1]], a["fp_values"][off[h]:off[h + 1]]
+        mask[0, h, 0, :n] = True
+    pk[0, :, m], pv[0, :, m], mask[0, :, 0, m] = a["tail_keys"][:, 0], a["tail_values"][:, 0], True
+    group = a["q"].shape[0] // hkv
+    return layer, (pk, pv, mask.repeat_interleave(group, dim=1))
+
+
+def compact_case(a, group_size):
+    """``kernels.compact_decode_triton``'s arguments for case ``a``'s rows quantized to int4 in the compact layout
+    (``kvpack.quant.quantize_pack``, uniform key widths, no sink), plus ``q`` and ``scale``."""
+    from kvpack.pack import LayerEntries, Pack
+    from kvpack.quant import quantize_pack
+    from kvpack.varlen import compact_kernel_args
+
+    off = a["fp_offsets"].tolist()
+    lengths = [e - s for s, e in zip(off, off[1:])]
+    positions = torch.cat([torch.arange(n, dtype=torch.int32) for n in lengths])
+    layer = LayerEntries(a["fp_keys"].float().cpu(), a["fp_values"].float().cpu(), positions, torch.tensor(lengths))
+    q = quantize_pack(Pack(torch.arange(max(lengths) + 1), [layer], 0, {}), "int4", group_size, "compact")
+    args = compact_kernel_args(q.layers[0], a["q"].dtype, a["q"].device)
+    return dict(args, q=a["q"], scale=a["scale"])
 
 
 def kv_bytes(a):
@@ -183,6 +245,8 @@ def as_graph(fn):
 def main(argv=None):
     args = parse_args(argv)
     fail_fast(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     dev = args.device
     info = versions(dev)
     cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0]] + (argv if argv is not None else sys.argv[1:]))
@@ -222,17 +286,61 @@ def main(argv=None):
     run = timer(dev, args.reps, args.warmup)
     rows = []
 
+    pending = []
+
     def measure(variant, fn, n_rows, nbytes, err):
-        eager = run(fn)
-        replay = as_graph(fn) if dev == "cuda" else None
-        graph = run(replay) if replay else None
-        rows.append(dict(variant=variant, rows=n_rows, bytes=nbytes, err=err, eager_us=statistics.median(eager),
-                         graph_us=statistics.median(graph) if graph else None, min_us=min(graph or eager)))
-        print(f"# {variant}: eager {rows[-1]['eager_us']:.1f} us, graph {rows[-1]['graph_us']} us", flush=True)
+        pending.append((variant, fn, n_rows, nbytes, err))
+
+    def timed_all():
+        """CUDA: each variant's calls in a row (events, graph replay). CPU: interleaved rounds, one call of each
+        variant per round, so that the shared machine's load falls on all of them alike."""
+        if dev == "cpu":
+            for _ in range(args.warmup):
+                for p in pending:
+                    p[1]()
+            times = {p[0]: [] for p in pending}
+            for _ in range(args.reps):
+                for variant, fn, *_ in pending:
+                    t0 = time.perf_counter()
+                    fn()
+                    times[variant].append((time.perf_counter() - t0) * 1e6)
+        for variant, fn, n_rows, nbytes, err in pending:
+            eager = times[variant] if dev == "cpu" else run(fn)
+            replay = as_graph(fn) if dev == "cuda" else None
+            graph = run(replay) if replay else None
+            rows.append(dict(variant=variant, rows=n_rows, bytes=nbytes, err=err, eager_us=statistics.median(eager),
+                             graph_us=statistics.median(graph) if graph else None, min_us=min(graph or eager)))
+            print(f"# {variant}: eager {rows[-1]['eager_us']:.1f} us, graph {rows[-1]['graph_us']} us", flush=True)
 
     for label, fn in sdpas.items():
-        measure(label, fn, hkv * N, 2 * hkv * N * D * 2, 0.0)
+        measure(label, fn, hkv * N, 2 * kf.numel() * kf.element_size(), 0.0)
+    layer, padded = packed_layer(case["ours-keep"], N)
+    q_cache = q.view(1, H, 1, D)
+    out = packed_attention(q_cache, layer, scale).view(H, D).float()
+    err = (out - kernels.varlen_decode_reference(**case["ours-keep"]).float()).abs().max().item()
+    measure("packed-cache", lambda: packed_attention(q_cache, layer, scale), layer.kept_keys.shape[0] + hkv,
+            kv_bytes(case["ours-keep"]), err)
+    if dev == "cpu":  # the cache's other CPU path (sliding windows), per-head products instead of flash calls
+        measure("packed-cache [products]", lambda: _packed_attention_torch(q_cache, layer, scale, None),
+                layer.kept_keys.shape[0] + hkv, kv_bytes(case["ours-keep"]), err)
+    full_layer, _ = packed_layer(case["ours-full"], N)
+    measure("packed-cache-full", lambda: packed_attention(q_cache, full_layer, scale), hkv * N,
+            kv_bytes(case["ours-full"]), (packed_attention(q_cache, full_layer, scale).view(H, D).float()
+                                          - expected_full).abs().max().item())
+    pk, pv, pmask = padded
+    measure("masked-padded", lambda: F.scaled_dot_product_attention(q4, pk, pv, attn_mask=pmask, scale=scale,
+                                                                    enable_gqa=True),
+            pk.shape[1] * pk.shape[2], 2 * pk.numel() * pk.element_size(), float("nan"))
+    if dev == "cuda":  # the kernel reading format v5's compact int4 layout as stored (no dequantized rows)
+        ca = compact_case(case["ours-keep"], args.group_size)
+        fn = lambda: kernels.compact_decode_triton(tail_keys=case["ours-keep"]["tail_keys"],  # noqa: E731
+                                                   tail_values=case["ours-keep"]["tail_values"], **ca)
+        err = (fn().float() - out).abs().max().item()  # against the packed-cache output over the bf16 rows
+        nbytes = sum(t.numel() * t.element_size() for t in ca.values() if torch.is_tensor(t))
+        measure("ours-keep-compact-int4", fn, ca["key_codes"].shape[0] + hkv, nbytes, err)
     for name, a in case.items():
+        if args.no_reference and dev == "cpu":
+            continue
         fn = lambda a=a: kernels.varlen_decode(**a, backend=backend, validate=False)  # noqa: E731
         out = fn().float()
         err = (out - kernels.varlen_decode_reference(**a).float()).abs().max().item()
@@ -242,12 +350,15 @@ def main(argv=None):
             (a["key_codes"].shape[0] if "key_codes" in a else 0)
         measure(name, fn, n_rows, kv_bytes(a), err)
 
+    timed_all()
+
     def best(r):  # the GPU time (graph replay) where there is one
         return r["graph_us"] if r["graph_us"] is not None else r["eager_us"]
 
     base = min(best(r) for r in rows if r["variant"].startswith("sdpa"))
     how = ("CUDA events, L2 flushed before each call; 'graph' replays a CUDA graph of the call (GPU time), "
-           "'eager' calls it from Python (adds launch overhead)" if dev == "cuda" else "wall clock, reference path")
+           "'eager' calls it from Python (adds launch overhead)" if dev == "cuda" else
+           "wall clock, interleaved rounds; ours-* rows are the reference path")
     lines = [f"`{cmd}`", "", ", ".join(f"{k} {v}" for k, v in info.items()), "",
              f"{H} query heads, {hkv} KV heads, head dim {D}, {N} tokens, keep {args.keep}, int4 G={args.group_size}; "
              f"{how}; medians of {args.reps}", "",

@@ -37,7 +37,21 @@ from .specs import parse_method_spec
 #: The folder holding the ``kvpack`` package this process imported (put first on a subprocess's PYTHONPATH).
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
-__all__ = ["measure_speed", "measure_memory", "linear_growth", "timed", "plain_prefill", "causal_attention_alone"]
+__all__ = ["needle_context_ids", "measure_speed", "measure_memory", "linear_growth", "timed", "plain_prefill",
+           "causal_attention_alone"]
+
+
+def needle_context_ids(tokenizer, tokens: int, device) -> tuple[str, torch.Tensor]:
+    """A needle haystack of about ``tokens`` tokens (one random fact at 50% depth, seed 0; ``kvpack.tasks``) and
+    its cached sequence's ids ``[1, prefix + context tokens]`` on ``device``: the benchmarks' context."""
+    import random
+
+    from .. import tasks
+
+    rng = random.Random(0)
+    layout = chat_layout(tokenizer)
+    text = tasks.needle_context(tokenizer, tokens, [tasks.random_fact(rng)], [0.5], rng)
+    return text, torch.tensor([layout.prefix_ids(tokenizer) + layout.encode(tokenizer, text)], device=device)
 
 
 def timed(fn):

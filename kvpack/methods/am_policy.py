@@ -32,23 +32,13 @@ def on_policy_queries(method, model, tokenizer, prefill: Prefill, layers: list[L
 
 
 def compacted_chunk_layer(entries: LayerEntries, sink: int, lo: int, hi: int, tokens: int, device) -> PackedLayer:
-    """A ``PackedLayer`` of the compacted entries of one layer at positions ``< sink`` or in ``[lo, hi)``, per
-    head, padded to the longest head (positions ``-1``), with their biases. ``entries``: unquantized, biases set
-    or ``None``; ``tokens``: the cached sequence's length (the layer's logical length)."""
-    heads = entries.head_lengths.shape[0]
-    offsets = entries.head_offsets().tolist()
+    """A ``PackedLayer`` of the compacted entries of one layer at positions ``< sink`` or in ``[lo, hi)``, packed per
+    head (rows back to back, each head's own length), with their biases. ``entries``: unquantized, biases set or
+    ``None``; ``tokens``: the cached sequence's length (the layer's logical length)."""
     pos = entries.positions.to(torch.int64)
-    wanted = (pos < sink) | ((pos >= lo) & (pos < hi))
-    rows = [offsets[h] + wanted[offsets[h] : offsets[h + 1]].nonzero().squeeze(1) for h in range(heads)]
-    longest = max(len(r) for r in rows)
-    d, dv = entries.keys.shape[1], entries.values.shape[1]
-    keys = entries.keys.new_zeros(1, heads, longest, d)
-    values = entries.values.new_zeros(1, heads, longest, dv)
-    positions = torch.full((heads, longest), -1, dtype=torch.int64)
-    biases = torch.zeros(heads, longest, dtype=torch.float32)
-    for h, r in enumerate(rows):
-        n = len(r)
-        keys[0, h, :n], values[0, h, :n], positions[h, :n] = entries.keys[r], entries.values[r], pos[r]
-        if entries.biases is not None:
-            biases[h, :n] = entries.biases[r]
-    return PackedLayer(keys.to(device), values.to(device), positions.to(device), tokens, biases=biases.to(device))
+    wanted = (pos < sink) | ((pos >= lo) & (pos < hi))  # [entries]
+    head_of_row = torch.repeat_interleave(torch.arange(entries.head_lengths.shape[0]), entries.head_lengths)
+    lengths = torch.bincount(head_of_row[wanted], minlength=entries.head_lengths.shape[0])
+    biases = None if entries.biases is None else entries.biases[wanted].float().to(device)
+    return PackedLayer(entries.keys[wanted].to(device), entries.values[wanted].to(device), pos[wanted].to(device),
+                       lengths, tokens, biases=biases)

@@ -93,8 +93,9 @@ def plus_weights(model, spec: ModelSpec, cache, grams: dict[int, torch.Tensor] |
     for l, attn in modules.items():
         layer = cache.layers[l]
         if l not in grams:
-            grams[l] = output_gram(attn.o_proj.weight, spec.num_kv_heads, spec.head_dim).to(layer.values.device)
-        entry[l] = value_output_norms(layer.values[0, :, : layer.kept], attn.o_proj.weight, grams[l])
+            grams[l] = output_gram(attn.o_proj.weight, spec.num_kv_heads, spec.head_dim).to(layer.device)
+        values = layer.padded()[1][0, :, : layer.kept]  # [kv_heads, kept, head_dim], padding rows zero
+        entry[l] = value_output_norms(values, attn.o_proj.weight, grams[l])
 
     def hook(l):
         def pre(module, args, kwargs):
