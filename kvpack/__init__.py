@@ -14,9 +14,10 @@ from .compress import compress  # noqa: E402
 from .errors import KvpackError  # noqa: E402
 from .fileformat import save  # noqa: E402
 from .generation import generate  # noqa: E402
+from .heads import head_scores, load_head_scores, save_head_scores  # noqa: E402
 from .loading import load  # noqa: E402
 from .model import load_model  # noqa: E402
 from .pack import Pack  # noqa: E402
 
 __all__ = ["__version__", "load_model", "compress", "save", "load", "generate", "Pack", "KvpackCache",
-           "KvpackError"]
+           "KvpackError", "head_scores", "save_head_scores", "load_head_scores"]

@@ -51,7 +51,8 @@ _registered = False
 _MASKS_UNUSED = contextvars.ContextVar("kvpack_masks_unused", default=False)
 
 
-def masked_attention(query, key, value, visible, scaling, scores=None, query_block: int = QUERY_BLOCK, bias=None):
+def masked_attention(query, key, value, visible, scaling, scores=None, query_block: int = QUERY_BLOCK, bias=None,
+                     score_weights=None):
     """Attention with a per-KV-head visibility mask and optional per-entry logit biases.
 
     Args:
@@ -63,6 +64,9 @@ def masked_attention(query, key, value, visible, scaling, scores=None, query_blo
             ``max`` over queries and GQA group of the attention probabilities of the first ``n`` entries.
         bias: optional ``[kv_heads, kv]`` float32 added to every query's logit of each entry (Attention Matching's
             beta, arXiv 2602.16284 §3): ``softmax(q . k * scaling + bias)`` (``logit_mask``).
+        score_weights: optional ``(entry, query)`` weights of those probabilities before the max (KVzip+,
+            ``kvpack.methods.kvzip_plus``): ``entry`` ``[kv_heads, group, n]`` per query head and entry, ``query``
+            ``[q]`` per query; the scores are then ``max_{g, t} p[h, g, t, i] * entry[h, g, i] * query[t]``.
 
     Returns:
         ``[1, q, heads, head_dim_v]`` attention output (the layout transformers expects).
@@ -76,8 +80,8 @@ def masked_attention(query, key, value, visible, scaling, scores=None, query_blo
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous()
     if bias is None and query.device.type == "cpu" and bool((visible == visible[:1]).all()):
-        return _scored_attention_fused(query, key, value, visible[0], scaling, scores)
-    return _scored_attention_explicit(query, key, value, visible, scaling, scores, query_block, bias)
+        return _scored_attention_fused(query, key, value, visible[0], scaling, scores, score_weights)
+    return _scored_attention_explicit(query, key, value, visible, scaling, scores, query_block, bias, score_weights)
 
 
 def logit_mask(visible: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -149,7 +153,7 @@ def _attention_past_and_causal(query, key, value, past, scaling):
     return out, lse.float()
 
 
-def update_max_scores(scores, query, key, lse, scaling, hidden=None):
+def update_max_scores(scores, query, key, lse, scaling, hidden=None, weights=None):
     """Fold ``max`` over queries and GQA group of ``p = exp(q . k * scaling - lse)`` into ``scores`` (KVzip's
     entry score, arXiv 2505.23416 §3.2, Eq. 2).
 
@@ -157,6 +161,9 @@ def update_max_scores(scores, query, key, lse, scaling, hidden=None):
         scores: ``[kv_heads, n]`` float32, updated in place for the first ``n`` keys.
         query: ``[1, heads, q, d]``; key: ``[1, kv_heads, >= n, d]``; lse: ``[1, heads, q]``.
         hidden: optional ``[q, n]`` bool, the (query, entry) pairs that must not count.
+        weights: optional KVzip+ ``(entry [kv_heads, group, n], query [q])`` weights (``masked_attention``): the
+            query weight enters as ``+ log w_t`` beside ``-lse``, the max over queries is taken per query head, then
+            multiplied by the entry weight before the max over the group.
 
     ``log p = [q * scaling, -lse] . [k, 1]`` is one ``[kv_heads, n, d + 1] x [kv_heads, d + 1, q x group]``
     product, so that the max over queries runs along memory; it is done in blocks of about
@@ -166,7 +173,12 @@ def update_max_scores(scores, query, key, lse, scaling, hidden=None):
     kv_heads, n = scores.shape
     group = heads // kv_heads
     k_aug = torch.cat([key[0, :, :n].float(), key.new_ones(kv_heads, n, 1, dtype=torch.float32)], dim=-1)
-    q_aug = torch.cat([query[0].float() * scaling, -lse.reshape(heads, q_len, 1).float()], dim=-1)
+    offset = -lse.reshape(heads, q_len, 1).float()
+    if weights is not None:
+        entry_w, query_w = weights
+        offset = offset + query_w.float().log().reshape(1, q_len, 1)
+        entry_w = entry_w.float().permute(0, 2, 1)  # [kv_heads, n, group]
+    q_aug = torch.cat([query[0].float() * scaling, offset], dim=-1)
     q_aug = q_aug.view(kv_heads, group, q_len, dim + 1).permute(0, 3, 2, 1).contiguous()  # [kv, d+1, q, g]
     block = max(1, SCORE_BLOCK_ELEMENTS // max(1, kv_heads * n * group))
     for s in range(0, q_len, block):
@@ -176,12 +188,17 @@ def update_max_scores(scores, query, key, lse, scaling, hidden=None):
         if hidden is not None:
             log_probs.view(kv_heads, n, b, group).masked_fill_(hidden[s : s + block].T[None, :, :, None],
                                                                float("-inf"))
-        torch.maximum(scores, log_probs.amax(dim=-1).exp_(), out=scores)
+        if weights is None:
+            torch.maximum(scores, log_probs.amax(dim=-1).exp_(), out=scores)
+        else:
+            per_head = log_probs.view(kv_heads, n, b, group).amax(dim=2).exp_()  # [kv_heads, n, group]
+            torch.maximum(scores, (per_head * entry_w).amax(dim=-1), out=scores)
 
 
-def _scored_attention_fused(query, key, value, visible, scaling, scores):
+def _scored_attention_fused(query, key, value, visible, scaling, scores, weights=None):
     """CPU, any visibility shared by all heads: the fused flash kernel with a bias mask gives the output and each
-    query's log-sum-exp, then ``update_max_scores``. ``visible``: ``[q, kv]``, the same for every head."""
+    query's log-sum-exp, then ``update_max_scores`` (with KVzip+'s ``weights``, if given). ``visible``: ``[q, kv]``,
+    the same for every head."""
     heads = query.shape[1]
     group = heads // key.shape[1]
     bias = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill_(~visible, float("-inf"))
@@ -189,13 +206,14 @@ def _scored_attention_fused(query, key, value, visible, scaling, scores):
         query, key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1),
         attn_mask=bias[None, None], scale=scaling)
     hidden = ~visible[:, : scores.shape[1]]
-    update_max_scores(scores, query, key, lse, scaling, hidden if bool(hidden.any()) else None)
+    update_max_scores(scores, query, key, lse, scaling, hidden if bool(hidden.any()) else None, weights)
     return out.transpose(1, 2).contiguous()
 
 
-def _scored_attention_explicit(query, key, value, visible, scaling, scores, query_block, bias=None):
+def _scored_attention_explicit(query, key, value, visible, scaling, scores, query_block, bias=None,
+                               score_weights=None):
     """Any device: materialise the probabilities block by block. ``visible``: ``[kv_heads, q, kv]``; ``bias``:
-    optional ``[kv_heads, kv]`` float32 logit biases."""
+    optional ``[kv_heads, kv]`` float32 logit biases; ``score_weights``: see ``masked_attention``."""
     _, heads, q_len, _ = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
@@ -210,7 +228,11 @@ def _scored_attention_explicit(query, key, value, visible, scaling, scores, quer
             logits += bias[:, None, None, :].float()
         logits.masked_fill_(~visible[:, None, s : s + query_block], float("-inf"))
         probs = logits.softmax(dim=-1)  # [kv_heads, group, qb, kv]
-        torch.maximum(scores, probs[..., :n].amax(dim=(1, 2)), out=scores)
+        scored = probs[..., :n]
+        if score_weights is not None:
+            entry_w, query_w = score_weights
+            scored = scored * entry_w[:, :, None, :] * query_w[s : s + query_block].float()[None, None, :, None]
+        torch.maximum(scores, scored.amax(dim=(1, 2)), out=scores)
         outs.append(torch.einsum("hgqk,hkd->hgqd", probs, v).reshape(heads, -1, v.shape[-1]))
     out = torch.cat(outs, dim=1).to(query.dtype)  # [heads, q, d]
     return out.unsqueeze(0).transpose(1, 2).contiguous()
@@ -306,11 +328,13 @@ def kvpack_attention_forward(module, query, key, value, attention_mask, dropout:
     # KVzip's repeat pass (kvpack.methods.kvzip) over a prefill view: one [kv_heads, kept + tail] grid; biases
     # appear here only in Attention Matching's on-policy passes (earlier layers already compacted)
     key, value, positions, bias = layer.padded()
-    if (bias is None and query.device.type == "cpu" and layer.dense and window is None
+    weights = layer.score_weights  # KVzip+ (kvpack.methods.kvzip_plus)
+    if (bias is None and weights is None and query.device.type == "cpu" and layer.dense and window is None
             and layer.tail_length == query.shape[2]):
         return scored_attention_dense(query, key, value, layer.kept, scaling, layer.scores), None
     visible = _visibility(positions, query.shape[2], window)
-    return masked_attention(query, key, value, visible, scaling, scores=layer.scores, bias=bias), None
+    return masked_attention(query, key, value, visible, scaling, scores=layer.scores, bias=bias,
+                            score_weights=weights), None
 
 
 def _visibility(positions: torch.Tensor, q_len: int, sliding_window: int | None) -> torch.Tensor:

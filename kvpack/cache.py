@@ -94,6 +94,8 @@ class PackedLayer(CacheLayerMixin):
         self.is_initialized = True
         self.dtype, self.device = keys.dtype, keys.device
         self.scores: torch.Tensor | None = None
+        #: KVzip+'s ``(entry, query)`` weights of those scores (``kvpack.attention.masked_attention``), or ``None``.
+        self.score_weights: tuple[torch.Tensor, torch.Tensor] | None = None
         #: a list while Attention Matching records reference queries (``kvpack.methods.am``): the attention
         #: function appends ``(query [heads, q, head_dim], scaling)`` of every call; ``None`` otherwise.
         self.queries: list | None = None

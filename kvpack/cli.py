@@ -34,6 +34,8 @@ from .listing import table as _table
 from .loading import cache_from_pack
 from .methods import METHODS
 from .methods.base import SCOPES
+from .methods.d2o import MERGE_MODES
+from .methods.kvzip_plus import SCORINGS
 from .model import REFERENCE_MODEL_NAME, load_model, model_for_pack, model_identity
 
 __all__ = ["cli", "main"]
@@ -97,10 +99,10 @@ def cli():
 # build
 
 #: CLI option -> method parameter; each method takes the parameters its class declares (``kvpack.methods``).
-_METHOD_FLAGS = {"sink": "--sink", "recent_ratio": "--recent-ratio", "merge": "--merge/--no-merge",
+_METHOD_FLAGS = {"sink": "--sink", "recent_ratio": "--recent-ratio", "merge": "--merge",
                  "beta": "--beta", "budget": "--budget", "window": "--window", "question": "--question",
-                 "seed": "--seed", "selection": "--select", "values": "--values", "queries": "--queries",
-                 "on_policy": "--on-policy"}
+                 "seed": "--seed", "heads": "--heads", "scoring": "--score", "selection": "--select",
+                 "values": "--values", "queries": "--queries", "on_policy": "--on-policy"}
 
 
 def _method_options(f):
@@ -108,16 +110,25 @@ def _method_options(f):
         click.option("--seed", type=int, default=None, help="random: seed [default: 0]."),
         click.option("--question", default=None, metavar="TEXT",
                      help="snapkv, pyramidkv: observe this question instead of the context's tail (query-aware)."),
-        click.option("--window", type=click.IntRange(min=1), default=None,
-                     help="snapkv, pyramidkv: observation window in tokens [default: 64]."),
+        click.option("--window", type=click.IntRange(min=0), default=None,
+                     help="snapkv, pyramidkv: observation window in tokens [default: 64]; kvzip-head: recent "
+                          "context tokens also kept in dropped heads [default: 0]."),
+        click.option("--heads", default=None, metavar="FILE",
+                     help="kvzip-head: the model's head scores (made once by `kvpack heads`)."),
+        click.option("--score", "scoring", type=click.Choice(SCORINGS), default=None,
+                     help="kvzip, am (its selection): attention (the paper's) or plus (KVzip+: weighted by each "
+                          "entry's output norm relative to the query's hidden state, as kvpress's KVzipPress) "
+                          "[default: attention]."),
         click.option("--budget", type=click.Choice(SCOPES), default=None,
                      help="h2o, snapkv, knorm, random (any), pyramidkv (layer or head): scope of the top-k; "
                           "global gives heads non-uniform budgets [default: head]."),
         click.option("--beta", type=float, default=None,
                      help="d2o: EMA weight of the merge threshold [default: 0.7]; pyramidkv: pyramid steepness "
                           "[default: 20]."),
-        click.option("--merge/--no-merge", default=None, help="d2o: merge evicted entries into kept ones "
-                                                              "[default: merge]."),
+        click.option("--merge", type=click.Choice(MERGE_MODES), default=None,
+                     help="d2o: what merging evicted entries into their nearest kept one changes: keys+values (the "
+                          "paper's), values only (kept keys stay as prefilled), or off (eviction alone) "
+                          "[default: keys+values]."),
         click.option("--recent-ratio", type=float, default=None,
                      help="d2o: recent window's share of a head's non-sink budget, M/(N+M) [default: 0.25, N:M=3:1]."),
         click.option("--sink", type=click.IntRange(min=0), default=None,
@@ -154,7 +165,7 @@ def _method_params(method: str, given: dict) -> dict:
 @click.option("--method", type=click.Choice(sorted(METHODS)), default="kvzip", show_default=True,
               help="Compression method (scores the KV entries).")
 @click.option("--ratio", type=click.FloatRange(0.0, 1.0, min_open=True), default=DEFAULT_RATIO, show_default=True,
-              help="Fraction of the context's KV entries kept.")
+              help="Fraction of the context's KV entries kept (kvzip-head: of the (layer, KV head) pairs kept whole).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="Output folder or URL (s3://bucket/packs, ...) [default: packs/ beside the first input: "
                    "docs/ -> docs/../packs, docs/a.txt -> docs/packs].")
@@ -258,6 +269,42 @@ def _bar(total: int):
     from tqdm import tqdm
 
     return tqdm(total=total, unit="tok", unit_scale=True, desc="compressing", file=sys.stderr, dynamic_ncols=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# heads
+
+
+@cli.command()
+@click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
+@click.option("--model", "model_name", default=None, metavar="NAME_OR_PATH", help=_MODEL_HELP)
+@click.option("--out", "out_file", required=True, type=click.Path(dir_okay=False), metavar="FILE",
+              help="The head-score file to write (safetensors), e.g. heads.safetensors.")
+@click.option("--score", "scoring", type=click.Choice(SCORINGS), default="attention", show_default=True,
+              help="KVzip's entry scores (attention) or KVzip+'s (plus).")
+@click.option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE, show_default=True,
+              help="Tokens per prefill and repeat-pass chunk.")
+@_model_options
+def heads(inputs, model_name, out_file, scoring, chunk_size, device, dtype):
+    """Score the model's KV heads once for `kvpack build --method kvzip-head` (KVzip's context-independent mode).
+
+    Each context in INPUT... (as for build) is prefilled and scored by KVzip's repeat pass; a (layer, KV head)
+    pair scores the max of its entries' scores, maximised over the contexts. A few contexts of a few thousand
+    tokens, of the kind of text to be compressed, are enough (arXiv 2505.23416, section 3.3).
+    """
+    from .heads import head_scores, save_head_scores
+
+    contexts = discover_contexts(inputs)
+    model, tokenizer = _load(model_name, device, dtype)
+    done = lambda i, n: click.echo(f"scored {i}/{n} contexts", err=True)  # noqa: E731
+    scores = head_scores(model, tokenizer, [c.text for c in contexts], names=[c.name for c in contexts],
+                         scoring=scoring, chunk_size=chunk_size, progress=done)
+    written = save_head_scores(scores, out_file)
+    rows = [(str(l), *(f"{float(v):.4f}" for v in row)) for l, row in zip(scores.compressed_layers, scores.scores)]
+    click.echo(_table(("layer", *(f"head {h}" for h in range(scores.scores.shape[1]))), rows,
+                      right=tuple(range(scores.scores.shape[1] + 1))))
+    click.echo(f"{out_file}: head scores of {len(rows)} layers x {scores.scores.shape[1]} KV heads from "
+               f"{len(contexts)} contexts ({sum(c['tokens'] for c in scores.contexts):,} tokens), {written:,} bytes")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -447,7 +494,9 @@ def _csv(kind, name):
 
 @cli.command()
 @click.option("--methods", callback=_csv(str, "method names"), metavar="M1,M2",
-              help="kvpack methods [default: all: kvzip,d2o,snapkv,pyramidkv,h2o,streaming,knorm,random; quick: "
+              help="kvpack methods, each a name or NAME[key=value;...] with its parameters, e.g. d2o[merge=values], "
+                   "kvzip[scoring=plus], am[values=copy], kvzip-head[heads=FILE] [default: all but kvzip-head and am: "
+                   "kvzip,d2o,d2o[merge=values],d2o[merge=off],snapkv,pyramidkv,h2o,streaming,knorm,random; quick: "
                    "kvzip,streaming].")
 @click.option("--ratios", callback=_csv(float, "ratios"), metavar="R1,R2",
               help="Fractions of KV entries kept [default: 1.0,0.5,0.3,0.2,0.1; quick: 1.0,0.3].")

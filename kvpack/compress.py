@@ -48,7 +48,8 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
             never as control tokens (``ChatLayout.encode_text``).
         method: a name from ``kvpack.methods.METHODS``.
         ratio: compression ratio = fraction of context KV entries kept, in (0, 1]; 1.0 keeps everything
-            (method ``none`` always keeps everything and records 1.0).
+            (method ``none`` always keeps everything and records 1.0; for ``kvzip-head`` it is the fraction of
+            (layer, KV head) pairs kept whole, and ``metadata["stats"]`` records the entries kept).
         chunk_size: tokens per prefill and scoring chunk (bounds memory).
         source_name: recorded in the pack (the file name for ``kvpack build``).
         progress: called with the number of context tokens processed, per stage.

@@ -118,12 +118,17 @@ def _describe(fp: dict[str, Any]) -> str:
     )
 
 
-def check_fingerprint(stored: dict[str, Any], current: dict[str, Any], *, path: str = "the pack") -> None:
+_PACK_FIX = "Load it with the model it was built for, or rebuild it with `kvpack build --model ...`"
+
+
+def check_fingerprint(stored: dict[str, Any], current: dict[str, Any], *, path: str = "the pack",
+                      fix: str = _PACK_FIX) -> None:
     """Raise ``ModelMismatchError`` naming both models if ``stored`` and ``current`` differ in any required field.
 
     The tokenizer is compared only when both fingerprints carry its hash. When only the weights hash differs and the
     dtypes differ too (a float16 model against a bfloat16 pack rounds the sampled weights differently), the message
-    names both dtypes and the ``--dtype`` that fixes it.
+    names both dtypes and the ``--dtype`` that fixes it. ``fix`` ends the message otherwise (default: how to load or
+    rebuild a pack).
     """
     diffs = []
     for key in sorted(set(stored) | set(current)):
@@ -144,6 +149,5 @@ def check_fingerprint(stored: dict[str, Any], current: dict[str, Any], *, path: 
     if diffs:
         raise ModelMismatchError(
             f"{path} was built for model {_describe(stored)} but the model given is {_describe(current)}; "
-            f"they differ in: {', '.join(diffs)}. Load it with the model it was built for, or rebuild it with "
-            "`kvpack build --model ...`"
+            f"they differ in: {', '.join(diffs)}. {fix}"
         )

@@ -129,6 +129,7 @@ def info_text(file: str | os.PathLike, *, storage_options: dict | None = None) -
                    f"{pack.original_tokens - pack.sink_tokens:,} context)"),
         ("entries kept", _kept(pack, stats)),
         *_budget_rows(stats),
+        *_head_rows(meta, pack),
         ("source", f"{source.get('name', '?')} (sha256 {_short(source.get('sha256'))}, "
                    f"{source.get('chars', '?'):,} chars)" if isinstance(source.get("chars"), int)
                    else f"{source.get('name', '?')} (sha256 {_short(source.get('sha256'))})"),
@@ -219,6 +220,24 @@ def _budget_rows(stats: dict) -> list[tuple[str, str]]:
                                f"{merge.get('dropped', '?'):,} dropped"
                      if all(isinstance(merge.get(k), int) for k in ("merged", "dropped")) else str(merge)))
     return rows
+
+
+def _head_rows(meta: dict, pack) -> list[tuple[str, str]]:
+    """kvzip-head: ``heads kept`` (how many (layer, KV head) pairs hold the whole context) and one row per
+    compressed layer listing them; a head is kept when it holds every context token."""
+    kinds = meta.get("layer_kinds") or []
+    if meta.get("method") != "kvzip-head" or len(kinds) != len(pack.layers):
+        return []
+    context = pack.original_tokens - pack.sink_tokens
+    rows, kept_n, total = [], 0, 0
+    for l, layer in enumerate(pack.layers):
+        if kinds[l] != "compressed":
+            continue
+        kept = [h for h, n in enumerate(layer.head_lengths.tolist()) if n - pack.sink_tokens == context]
+        kept_n, total = kept_n + len(kept), total + len(layer.head_lengths)
+        rows.append((f"  layer {l}", ", ".join(map(str, kept)) if kept else "none"))
+    return [("heads kept", f"{kept_n} of {total} (layer, KV head) pairs hold the whole context; the others the "
+                           "sink (and the window, if any)"), *rows]
 
 
 def _short(digest) -> str:

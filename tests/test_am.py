@@ -262,10 +262,23 @@ def test_save_load_generate_with_biases(arch, dtype, tmp_path):
 def test_bench_method_specs():
     from kvpack.bench.grid import expand_grid, parse_method_spec
 
-    assert parse_method_spec("am:values=copy:queries=64:on_policy=true") == (
+    assert parse_method_spec("am[values=copy;queries=64;on_policy=true]") == (
         "am", {"values": "copy", "queries": 64, "on_policy": True})
     assert parse_method_spec("kvzip") == ("kvzip", {})
-    for bad in ("am:values", "am:values=lsq", "nope:x=1", "kvzip:values=copy"):
+    for bad in ("am[values]", "am[values=lsq]", "nope[x=1]", "kvzip[values=copy]", "am:values=copy"):
         with pytest.raises(InputError):
             parse_method_spec(bad)
-    assert [v.label for v in expand_grid(["am:values=merge"], [0.1], ["none"])] == ["none@1", "am:values=merge@0.1"]
+    assert [v.label for v in expand_grid(["am[values=merge]"], [0.1], ["none"])] == ["none@1", "am[values=merge]@0.1"]
+
+
+def test_kvzip_plus_scoring_gives_am_kvzip_plus_selection():
+    """``scoring="plus"`` reaches AM through KVzip's repeat pass (which also records AM's queries): with the values
+    copied, AM holds exactly KVzip+'s entries, a selection other than plain KVzip's."""
+    model, tok, am = _build("llama", values="copy", scoring="plus", queries=64)
+    plus = kvpack.compress(model, tok, TEXT, method="kvzip", ratio=0.3, chunk_size=40, scoring="plus")
+    plain = kvpack.compress(model, tok, TEXT, method="kvzip", ratio=0.3, chunk_size=40)
+    for a, b in zip(am.layers, plus.layers):
+        for part in ("keys", "values", "positions", "head_lengths"):
+            assert torch.equal(getattr(a, part), getattr(b, part)), part
+    assert any(not torch.equal(a.positions, b.positions) for a, b in zip(plus.layers, plain.layers))
+    assert am.metadata["stats"]["fit"]["queries"] > 0

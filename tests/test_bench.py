@@ -23,7 +23,7 @@ from kvpack.fileformat import pack_to_bytes
 from kvpack.layout import chat_layout
 from kvpack.methods import METHODS
 
-from .tiny import TEXT, tiny_model
+from .tiny import TEXT, required_options, tiny_model
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
@@ -31,12 +31,13 @@ def test_build_variants_equal_compress(method):
     """One prefill + one scoring pass for all ratios gives exactly the bytes of separate kvpack.compress calls."""
     model, tok = tiny_model("llama")
     text = TEXT * 2
-    built = build_variants(model, tok, text, method, [1.0, 0.5, 0.2], ["none", "int4"], chunk_size=64)
+    required = required_options(method, "llama")
+    built = build_variants(model, tok, text, method, [1.0, 0.5, 0.2], ["none", "int4"], chunk_size=64, **required)
     assert len(built) == 6
     for b in built:
         ratio = 1.0 if method == "none" else b.variant.ratio
         ref = kvpack.compress(model, tok, text, method=method, ratio=ratio, quant=b.variant.quant, chunk_size=64,
-                              source_name="<bench>")
+                              source_name="<bench>", **required)
         assert pack_to_bytes(b.pack, 0) == pack_to_bytes(ref, 0), b.variant.label
         assert b.build_s > 0
 
@@ -150,3 +151,23 @@ def test_bench_cli_rejects_bad_options(tmp_path):
     assert res.exit_code == 1 and "ratio" in res.output
     res = CliRunner().invoke(cli, ["bench", "--ratios", "a,b"])
     assert res.exit_code == 2
+
+
+def test_method_specs_name_options_and_build_like_compress():
+    from kvpack.bench.specs import parse_method_spec
+
+    assert parse_method_spec("d2o") == ("d2o", {})
+    assert parse_method_spec("d2o[merge=values;beta=0.5;sink=2]") == ("d2o", {"merge": "values", "beta": 0.5,
+                                                                               "sink": 2})
+    assert parse_method_spec("kvzip[scoring=plus]") == ("kvzip", {"scoring": "plus"})
+    for bad, fragment in (("d2o[merge]", "write key=value"), ("nope[x=1]", "unknown method"),
+                          ("d2o[sink=1;sink=2]", "given twice"), ("d2o merge", "bad method spec")):
+        with pytest.raises(InputError, match=fragment):
+            parse_method_spec(bad)
+    model, tok = tiny_model("llama")
+    built = build_variants(model, tok, TEXT, "d2o[merge=values]", [0.5], ["none"], chunk_size=64)
+    ref = kvpack.compress(model, tok, TEXT, method="d2o", merge="values", ratio=0.5, chunk_size=64,
+                          source_name="<bench>")
+    assert built[0].variant.label == "d2o[merge=values]@0.5"
+    assert pack_to_bytes(built[0].pack, 0) == pack_to_bytes(ref, 0)
+    assert expand_grid(["d2o[merge=off]"], [0.5], ["none"])[1] == Variant("d2o[merge=off]", 0.5, "none")

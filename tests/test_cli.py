@@ -105,7 +105,7 @@ def test_info_describes_the_pack(built):
     out = _run(["info", str(packs / "alpha.kvpack")]).stdout
     for pattern in (r"format\s+kvpack 1\.0, [\d,]+ bytes, tensor checksums XXH3-128", r"(?m)quantization\s+none$",
                     r"zstd\s+level 3: [\d,]+ bytes on disk, [\d,]+ decoded",
-                    r"method\s+kvzip \(chunk_size=64, tail_tokens=8\)", r"ratio\s+0\.3",
+                    r"method\s+kvzip \(chunk_size=64, scoring=attention, tail_tokens=8\)", r"ratio\s+0\.3",
                     r"architecture\s+LlamaForCausalLM", r"heads\s+4 query, 2 KV", r"head dim\s+16",
                     r"tokens\s+\d+ \(\d+ sink \+ \d+ context\)", r"source\s+alpha\.txt \(sha256 [0-9a-f]{12}",
                     r"weights\s+sha256 [0-9a-f]{12}\.\.\.", r"kvpack version\s+0\.1\.0"):
@@ -199,15 +199,16 @@ def test_python_dash_m_and_version():
 
 @pytest.mark.parametrize("args, params", [
     (["--method", "d2o", "--sink", "2", "--recent-ratio", "0.5", "--beta", "0.6"],
-     "method\\s+d2o \\(beta=0.6, merge=True, recent_ratio=0.5, sink=2\\)"),
-    (["--method", "d2o", "--no-merge"], "method\\s+d2o \\(beta=0.7, merge=False, recent_ratio=0.25, sink=4\\)"),
+     "method\\s+d2o \\(beta=0.6, merge=keys\\+values, recent_ratio=0.5, sink=2\\)"),
+    (["--method", "d2o", "--merge", "off"], "method\\s+d2o \\(beta=0.7, merge=off, recent_ratio=0.25, sink=4\\)"),
+    (["--method", "d2o", "--merge", "values"], "method\\s+d2o \\(beta=0.7, merge=values, recent_ratio=0.25, sink=4\\)"),
     (["--method", "snapkv", "--window", "8", "--budget", "global"], "method\\s+snapkv \\(budget=global, .*window=8\\)"),
     (["--method", "pyramidkv", "--question", "Who?", "--beta", "5"], "method\\s+pyramidkv \\(.*beta=5.0, .*question=Who\\?"),
     (["--method", "streaming", "--sink", "0"], "method\\s+streaming \\(sink=0\\)"),
     (["--method", "random", "--seed", "3", "--budget", "layer"], "method\\s+random \\(budget=layer, seed=3\\)"),
     (["--method", "none"], "method\\s+none$"),
     (["--method", "am", "--select", "rms", "--values", "copy", "--queries", "64", "--on-policy"],
-     "method\\s+am \\(.*on_policy=True, queries=64, selection=rms, .*values=copy\\)"),
+     "method\\s+am \\(.*on_policy=True, queries=64, scoring=attention, selection=rms, .*values=copy\\)"),
 ])
 def test_build_with_method_options_and_info_shows_them(docs, models, tmp_path, args, params):
     out = tmp_path / "packs"
@@ -217,13 +218,13 @@ def test_build_with_method_options_and_info_shows_them(docs, models, tmp_path, a
     budgets = re.search(r"^layer budgets\s+([\d, ]+) context entries", info, re.M)
     kept = re.search(r"context: ([\d,]+) of", info)
     assert budgets and sum(int(b) for b in budgets.group(1).split(", ")) == int(kept.group(1).replace(",", ""))
-    assert ("merged " in info) == ("d2o" in args and "--no-merge" not in args)
+    assert ("merged " in info) == ("d2o" in args and "off" not in args)
     assert ("attention matching fit" in info) == ("am" in args)
 
 
 @pytest.mark.parametrize("args, message", [
     (["--method", "h2o", "--sink", "3"], "error: --method h2o does not take --sink (its options: --budget)"),
-    (["--method", "kvzip", "--no-merge"], "error: --method kvzip does not take --merge/--no-merge"),
+    (["--method", "kvzip", "--merge", "off"], "error: --method kvzip does not take --merge"),
     (["--method", "none", "--window", "4"], "it has no method options"),
     (["--method", "pyramidkv", "--budget", "global"], "error: pyramidkv: budget must be one of layer, head"),
     (["--method", "d2o", "--beta", "2"], "error: d2o: beta must be a number in [0.0, 1.0]"),

@@ -20,14 +20,16 @@ from kvpack.model import model_spec
 from kvpack.prefill import prefill
 
 from .reference import masked_reference_logits
-from .tiny import ARCHITECTURES, TEXT, tiny_model
+from .tiny import ARCHITECTURES, TEXT, required_options, tiny_heads_file, tiny_model
 
 RATIO = 0.3
 #: Harder settings per method, run on one architecture (every method also runs with its defaults everywhere).
 VARIANTS = {
-    "kvzip": [dict(tail_tokens=0)],
+    "kvzip": [dict(tail_tokens=0), dict(scoring="plus")],
+    "kvzip-head": [dict(heads=tiny_heads_file("qwen2"), window=5)],
     "am": [dict(selection="rms", values="merge", queries=64), dict(values="copy", on_policy=True)],
-    "d2o": [dict(merge=False), dict(sink=0, recent_ratio=0.0, beta=1.0), dict(sink=50, recent_ratio=1.0)],
+    "d2o": [dict(merge="off"), dict(merge="values"), dict(sink=0, recent_ratio=0.0, beta=1.0),
+            dict(sink=50, recent_ratio=1.0)],
     "streaming": [dict(sink=0)],
     "h2o": [dict(budget="global"), dict(budget="layer")],
     "snapkv": [dict(window=8, kernel=1, pooling="max", budget="global"), dict(question="What is the code?")],
@@ -49,6 +51,11 @@ def _check_pack(model, tok, pack, method: Method, tmp_path, exact: bool):
     stats = pack.metadata["stats"]
     entries = stats["context_entries"]
     want = entries if method.name == "none" else round(RATIO * entries)
+    if method.name == "kvzip-head":  # whole heads: round(RATIO x pairs) of them, plus the window in the others
+        pairs = len(spec.compressed_layers) * pack.kv_heads
+        n = stats["context_tokens"]
+        kept = round(RATIO * pairs)
+        want = kept * n + (pairs - kept) * min(method.window, n)
     assert stats["context_entries_kept"] == want
     compressed = list(spec.compressed_layers)
     lengths = pack.head_lengths()[compressed] - pack.sink_tokens
@@ -84,10 +91,11 @@ def _check_pack(model, tok, pack, method: Method, tmp_path, exact: bool):
 @pytest.mark.parametrize("name", list(METHODS))
 def test_every_method_builds_loads_and_generates_on_every_architecture(name, arch, tmp_path):
     model, tok = tiny_model(arch)
-    pack = kvpack.compress(model, tok, TEXT, method=name, ratio=RATIO, chunk_size=40)
-    method = get_method(name)
+    required = required_options(name, arch)
+    pack = kvpack.compress(model, tok, TEXT, method=name, ratio=RATIO, chunk_size=40, **required)
+    method = get_method(name, **required)
     assert pack.metadata["method"] == name and pack.metadata["method_params"] == get_method(
-        name, {"chunk_size": 40}).params()
+        name, {"chunk_size": 40}, **required).params()
     merges = name == "d2o"
     assert ("merge" in pack.metadata["stats"]) == merges
     _check_pack(model, tok, pack, method, tmp_path, exact=not merges and name != "am")
@@ -99,7 +107,8 @@ def test_method_variants(name, options, tmp_path):
     pack = kvpack.compress(model, tok, TEXT, method=name, ratio=RATIO, chunk_size=40, **options)
     method = get_method(name, **options)
     assert pack.metadata["method_params"] == get_method(name, {"chunk_size": 40}, **options).params()
-    _check_pack(model, tok, pack, method, tmp_path, exact=not (name == "d2o" and method.merge) and name != "am")
+    _check_pack(model, tok, pack, method, tmp_path,
+                exact=not (name == "d2o" and method.merge != "off") and name != "am")
 
 
 def test_none_keeps_everything_and_records_ratio_one(tmp_path):
@@ -123,7 +132,7 @@ def test_options_are_part_of_the_up_to_date_check(tmp_path):
     out = tmp_path / "packs"
     assert not build(ctxs, model, tok, out_dir=out, method="d2o", beta=0.5)[0].skipped
     assert build(ctxs, model, tok, out_dir=out, method="d2o", beta=0.5)[0].skipped
-    assert not build(ctxs, model, tok, out_dir=out, method="d2o", beta=0.5, merge=False)[0].skipped
+    assert not build(ctxs, model, tok, out_dir=out, method="d2o", beta=0.5, merge="off")[0].skipped
     with pytest.raises(InputError, match="has no parameter 'sink'"):
         build(ctxs, model, tok, out_dir=out, method="h2o", sink=2)
 
@@ -140,7 +149,7 @@ def test_options_are_part_of_the_up_to_date_check(tmp_path):
     ("streaming", dict(merge=False), "has no parameter 'merge'"),
     ("d2o", dict(beta=1.5), "beta must be a number in [0.0, 1.0]"),
     ("d2o", dict(recent_ratio=-0.1), "recent_ratio"),
-    ("d2o", dict(merge="yes"), "merge must be true or false"),
+    ("d2o", dict(merge="yes"), "merge must be one of keys+values, values, off"),
     ("d2o", dict(sink=-1), "sink must be an integer >= 0"),
     ("pyramidkv", dict(budget="global"), "budget must be one of layer, head"),
     ("pyramidkv", dict(beta=0.5), "beta must be a number in [1.0"),
@@ -462,8 +471,9 @@ def test_merge_arithmetic_on_hand_built_tensors():
 def test_d2o_without_merge_is_its_eviction_and_merging_changes_only_kept_rows():
     model, tok = tiny_model("llama")
     spec = model_spec(model)
-    evict = kvpack.compress(model, tok, TEXT, method="d2o", ratio=RATIO, merge=False)
+    evict = kvpack.compress(model, tok, TEXT, method="d2o", ratio=RATIO, merge="off")
     merged = kvpack.compress(model, tok, TEXT, method="d2o", ratio=RATIO)
+    assert merged.metadata["method_params"]["merge"] == "keys+values"  # the paper's merge is the default
     stats = merged.metadata["stats"]["merge"]
     assert stats["merged"] > 0 and stats["merged"] + stats["dropped"] == \
         evict.metadata["stats"]["context_entries"] - evict.metadata["stats"]["context_entries_kept"]
@@ -484,3 +494,21 @@ def test_d2o_without_merge_is_its_eviction_and_merging_changes_only_kept_rows():
         for h in range(evict.kv_heads):
             k, _, pos = evict.layers[l].head(h)
             torch.testing.assert_close(k, full.keys[l][h, pos.long()])
+
+
+def test_d2o_merge_values_changes_only_values_by_the_same_weights():
+    model, tok = tiny_model("llama")
+    spec = model_spec(model)
+    packs = {mode: kvpack.compress(model, tok, TEXT, method="d2o", ratio=RATIO, merge=mode)
+             for mode in ("off", "values", "keys+values")}
+    stats = {mode: p.metadata["stats"].get("merge") for mode, p in packs.items()}
+    assert stats["off"] is None and stats["values"]["mode"] == "values"
+    assert {k: v for k, v in stats["values"].items() if k != "mode"} == \
+        {k: v for k, v in stats["keys+values"].items() if k != "mode"}  # the same entries are merged
+    for l in spec.compressed_layers:
+        off, val, both = (packs[m].layers[l] for m in ("off", "values", "keys+values"))
+        assert torch.equal(val.keys, off.keys)  # keys stay as prefilled
+        assert torch.equal(val.values, both.values)  # values merged exactly as in the paper's mode
+        assert not torch.equal(val.values, off.values) and not torch.equal(both.keys, off.keys)
+    # the earlier boolean option still reads as the paper's merge / the eviction alone
+    assert get_method("d2o", merge=True).merge == "keys+values" and get_method("d2o", merge=False).merge == "off"

@@ -78,3 +78,33 @@ def tiny_model(arch: str, dtype: torch.dtype = torch.float32):
                 p.mul_(4.0)
     model.kvpack_name = f"tiny-{arch}"
     return model.eval(), tok
+
+
+#: Texts the tiny head-score files are made from (not the test's ``TEXT``, as a user's would not be).
+HEAD_TEXTS = (
+    "Bees visit the orchard each spring. The apples ripen in autumn and are sold at the market in town.",
+    "The train to the coast leaves at nine. Passengers bring bread and cheese, and the guard checks tickets.",
+)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_heads_file(arch: str) -> str:
+    """Path of a head-score file (``kvpack heads``) of ``tiny_model(arch)`` made from ``HEAD_TEXTS``, in a
+    temporary folder removed at exit."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from kvpack.heads import head_scores, save_head_scores
+
+    folder = tempfile.mkdtemp(prefix="kvpack-heads-")
+    atexit.register(shutil.rmtree, folder, True)
+    model, tok = tiny_model(arch)
+    path = f"{folder}/{arch}.safetensors"
+    save_head_scores(head_scores(model, tok, list(HEAD_TEXTS), chunk_size=64), path)
+    return path
+
+
+def required_options(method: str, arch: str) -> dict:
+    """Options a method cannot run without on ``tiny_model(arch)`` (kvzip-head: its head-score file)."""
+    return {"heads": tiny_heads_file(arch)} if method == "kvzip-head" else {}

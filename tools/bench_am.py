@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvpack  # noqa: E402
 from kvpack import tasks  # noqa: E402
+from kvpack.bench.specs import parse_method_spec  # noqa: E402
 from kvpack.bench.continuation import _cache_logprobs, _nll, continuation_docs, full_cache_logprobs  # noqa: E402
 from kvpack.bench.multiquery import multiquery_contexts  # noqa: E402
 from kvpack.cache import KvpackCache  # noqa: E402
@@ -34,7 +35,7 @@ from kvpack.methods import get_method  # noqa: E402
 from kvpack.model import model_spec  # noqa: E402
 from kvpack.prefill import prefill  # noqa: E402
 
-VARIANTS = ("kvzip", "am", "am:values=copy", "am:values=merge")
+VARIANTS = ("kvzip", "am", "am[values=copy]", "am[values=merge]")  # method specs (kvpack.bench.specs)
 
 
 def packs_for(model, tok, text: str, ratios: list[float], queries: int) -> dict[tuple[str, float], object]:
@@ -50,8 +51,7 @@ def packs_for(model, tok, text: str, ratios: list[float], queries: int) -> dict[
         keep = scorer.select(scores, r, full)
         out[("kvzip", r)] = assemble_pack(model, tok, text, kvzip, r, full, keep, "<bench>")
         for name in VARIANTS[1:]:
-            values = name.split("=")[1] if "=" in name else "fit"
-            m = get_method("am", queries=queries, values=values)
+            m = get_method("am", queries=queries, **parse_method_spec(name)[1])
             m._spec, m._reservoirs = scorer._spec, scorer._reservoirs
             out[(name, r)] = assemble_pack(model, tok, text, m, r, full, keep, "<bench>")
     return out

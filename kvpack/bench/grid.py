@@ -27,7 +27,8 @@ from ..errors import InputError
 from ..fileformat import save
 from ..layout import chat_layout
 from ..loading import load
-from ..methods import METHODS, get_method
+from ..methods import get_method
+from .specs import parse_method_spec
 from ..compress import assemble_pack, prefill_recorder
 from ..model import model_spec
 from ..pack import Pack
@@ -47,7 +48,7 @@ class Variant:
 
     Attributes:
         method: a method spec: a key of ``kvpack.methods.METHODS`` (``none`` keeps everything), optionally with
-            parameters, ``NAME:KEY=VALUE[:KEY=VALUE...]`` (``parse_method_spec``), e.g. ``am:values=copy``.
+            parameters, ``NAME[KEY=VALUE;...]`` (``kvpack.bench.specs``), e.g. ``am[values=copy]``.
         ratio: fraction of the context's KV entries kept, in (0, 1].
         quant: ``"none"``, ``"int8"`` or ``"int4"`` (``kvpack.quant``).
         query_aware: the method observes the task's first question (``question=`` option; SnapKV, PyramidKV);
@@ -75,38 +76,6 @@ class Variant:
                 "query_aware": self.query_aware, "label": self.label}
 
 
-def parse_method_spec(spec: str) -> tuple[str, dict]:
-    """``"am:values=copy:queries=1024"`` -> ``("am", {"values": "copy", "queries": 1024})``: a method name and its
-    parameters (integers, floats, ``true``/``false``, else strings).
-
-    Raises:
-        InputError: unknown method, a malformed ``KEY=VALUE``, or parameters the method rejects (``get_method``).
-    """
-    name, *pairs = spec.split(":")
-    if name not in METHODS:
-        raise InputError(f"unknown method {name!r}; choose from: {', '.join(sorted(METHODS))}")
-    options = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise InputError(f"method spec {spec!r}: {pair!r} is not KEY=VALUE (e.g. am:values=copy)")
-        options[key] = _spec_value(raw)
-    get_method(name, **options)  # validates
-    return name, options
-
-
-def _spec_value(raw: str):
-    """A spec value as int, float, bool or str."""
-    if raw.lower() in ("true", "false"):
-        return raw.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(raw)
-        except ValueError:
-            pass
-    return raw
-
-
 def expand_grid(methods: list[str], ratios: list[float], quants: list[str]) -> list[Variant]:
     """The variants of a grid: ``none`` at ratio 1.0, then every method at every ratio below 1.0, each x quant.
 
@@ -114,10 +83,11 @@ def expand_grid(methods: list[str], ratios: list[float], quants: list[str]) -> l
     included (it is the full-cache reference through kvpack's own file and loader).
 
     Raises:
-        InputError: unknown method or quantization, a ratio outside (0, 1].
+        InputError: unknown method or quantization, a method spec's options the method rejects, a ratio outside
+            (0, 1].
     """
     for m in methods:
-        parse_method_spec(m)
+        parse_method_spec(m)  # a name, or name[key=value;...] (kvpack.bench.specs)
     for q in quants:
         if q not in C.QUANT_CHOICES:
             raise InputError(f"unknown quantization {q!r}; choose from: {', '.join(C.QUANT_CHOICES)}")
@@ -156,7 +126,8 @@ def build_variants(model, tokenizer, text: str, method: str, ratios: list[float]
     Args:
         model, tokenizer: from ``kvpack.load_model``.
         text: the context.
-        method: a method spec (``parse_method_spec``: a ``METHODS`` key, optionally with parameters).
+        method: a ``METHODS`` key, or a spec with options (``d2o[merge=values]``, ``kvpack.bench.specs``); the
+            variants are named after it.
         ratios: fractions kept, each in (0, 1].
         quants: quantization types (``"none"``, ``"int8"``, ``"int4"``).
         chunk_size: prefill/scoring chunk in tokens (as ``kvpack.compress``).
@@ -175,7 +146,7 @@ def build_variants(model, tokenizer, text: str, method: str, ratios: list[float]
     for r in ratios:
         if not (isinstance(r, (int, float)) and 0.0 < r <= 1.0):
             raise InputError(f"ratio must be in (0, 1] (the fraction of KV entries kept), got {r!r}")
-    name, spec_options = parse_method_spec(method)
+    name, spec_options = parse_method_spec(method, validate=False)  # get_method checks them with ``options``
     scorer = get_method(name, {"chunk_size": chunk_size}, **spec_options, **options)
     kept = [scorer.kept_ratio(r) for r in ratios]
     if any(r < 1.0 for r in kept) and any(r >= 1.0 for r in kept):

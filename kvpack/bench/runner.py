@@ -36,8 +36,11 @@ __all__ = ["TASKS", "DEFAULT_METHODS", "BenchConfig", "run_bench", "estimate_sec
 
 #: Task names, in the order they run.
 TASKS = ("needle", "multiquery", "continuation", "speed", "memory")
-#: Methods of the default grid: every registered method (``none`` is the ratio-1.0 row).
-DEFAULT_METHODS = ("kvzip", "d2o", "snapkv", "pyramidkv", "h2o", "streaming", "knorm", "random")
+#: Methods of the default grid: every registered method (``none`` is the ratio-1.0 row) but ``kvzip-head``, which needs
+#: a head-score file (``kvpack heads``; run it as ``kvzip-head[heads=FILE]``), and ``am`` (its fit costs ~1.2x KVzip's
+#: build; run it as ``am`` or ``am[values=copy]``), plus D2O's other merge modes.
+DEFAULT_METHODS = ("kvzip", "d2o", "d2o[merge=values]", "d2o[merge=off]", "snapkv", "pyramidkv", "h2o",
+                   "streaming", "knorm", "random")
 
 
 @dataclass
@@ -147,7 +150,7 @@ _PRESS_WEIGHT = {"kvzip": 7.0}  # kvpress prefill with the press, in units of kv
 
 
 def _build_s(method: str, tokens: int) -> float:
-    return _BUILD_1K * (tokens / 1024) ** 1.6 * _METHOD_WEIGHT.get(method, 1.0)
+    return _BUILD_1K * (tokens / 1024) ** 1.6 * _METHOD_WEIGHT.get(method.split("[", 1)[0], 1.0)  # name[options]
 
 
 def _context_s(variants: list[Variant], tokens: int, questions: int) -> float:

@@ -32,6 +32,7 @@ from ..fileformat import save
 from ..layout import chat_layout
 from ..loading import load
 from ..model import model_spec
+from .specs import parse_method_spec
 
 #: The folder holding the ``kvpack`` package this process imported (put first on a subprocess's PYTHONPATH).
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
@@ -118,7 +119,7 @@ def measure_speed(model, tokenizer, text: str, methods: list[str], ratio: float,
 
     Args:
         text: the context (its token count is reported as ``tokens``).
-        methods: method names; ``none`` is built at ratio 1.0.
+        methods: method names or specs (``d2o[merge=values]``, ``kvpack.bench.specs``); ``none`` is built at 1.0.
         ratio: fraction kept for the other methods.
         folder: where the packs are written (then removed).
         repeats: interleaved rounds; medians are reported.
@@ -145,9 +146,11 @@ def measure_speed(model, tokenizer, text: str, methods: list[str], ratio: float,
         rows["prefill"].append(timed(lambda: plain_prefill(model, ids))[0])
         for m in methods:
             r = 1.0 if m == "none" else ratio
-            t, pack = timed(lambda: compress(model, tokenizer, text, method=m, ratio=r, chunk_size=chunk_size))
+            name, options = parse_method_spec(m)
+            t, pack = timed(lambda: compress(model, tokenizer, text, method=name, ratio=r, chunk_size=chunk_size,
+                                             **options))
             build[m].append(t)
-            path = os.path.join(os.fspath(folder), f"speed-{m}.kvpack")
+            path = os.path.join(os.fspath(folder), f"speed-{methods.index(m)}.kvpack")  # specs may hold paths
             t, n = timed(lambda: save(pack, path, zstd_level=zstd_level))
             saves[m].append(t)
             nbytes[m] = int(n)

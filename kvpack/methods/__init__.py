@@ -10,6 +10,7 @@ from .d2o import D2O
 from .h2o import H2O
 from .knorm import KNorm
 from .kvzip import KVzip
+from .kvzip_head import KVzipHead
 from .none import NoCompression
 from .pyramidkv import PyramidKV
 from .random import RandomScores
@@ -19,7 +20,8 @@ from .streaming import StreamingLLM
 __all__ = ["METHODS", "Method", "get_method"]
 
 METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (
-    KVzip, AttentionMatching, D2O, StreamingLLM, H2O, SnapKV, PyramidKV, KNorm, RandomScores, NoCompression)}
+    KVzip, KVzipHead, AttentionMatching, D2O, StreamingLLM, H2O, SnapKV, PyramidKV, KNorm, RandomScores,
+    NoCompression)}
 
 
 def get_method(name: str, defaults: dict | None = None, **params) -> Method:

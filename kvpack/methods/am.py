@@ -106,7 +106,7 @@ class AttentionMatching(KVzip):
     the mean relative mass error on the fit queries of the fitted heads, and the heads left unfitted or rejected.
 
     Parameters:
-        chunk_size, tail_tokens: KVzip's (its repeat pass).
+        chunk_size, tail_tokens, scoring: KVzip's (its repeat pass; ``scoring="plus"`` selects by KVzip+).
         selection: ``"kvzip"`` or ``"rms"``.
         values: ``"fit"``, ``"copy"`` or ``"merge"``.
         queries: reference queries per KV head (fit + held out), ``>= 16``.

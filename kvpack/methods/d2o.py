@@ -15,9 +15,13 @@ from ..model import ModelSpec
 from ..pack import LayerEntries
 from ..prefill import Prefill
 from ..stats import AttentionRecorder
-from .base import Method, check_bool, check_float, check_int, context_stats, fit_budgets, top_k_rows
+from .base import Method, check_choice, check_float, check_int, context_stats, fit_budgets, top_k_rows
 
-__all__ = ["D2O", "layer_variance", "ema_thresholds", "merge_evicted", "merge_plan", "merge_rows", "nearest_kept"]
+__all__ = ["D2O", "MERGE_MODES", "layer_variance", "ema_thresholds", "merge_evicted", "merge_plan", "merge_rows",
+           "nearest_kept"]
+
+#: D2O's merge modes: what an evicted entry merged into its nearest kept entry changes.
+MERGE_MODES = ("keys+values", "values", "off")
 
 #: Entries of one block of evicted x kept cosine similarities (64 MB of float32).
 SIM_BLOCK_ELEMENTS = 16 * 2**20
@@ -44,20 +48,27 @@ class D2O(Method):
     ``M = round(recent_ratio x (budget - sinks))`` tokens, and the ``N = rest`` tokens with the highest cumulative
     attention (column sums, averaged over the query heads of the GQA group); ``N:M = 3:1`` by default.
 
-    Merge (``merge=True``): each evicted entry's key is compared by cosine similarity with the kept context keys
-    of its head (the template prefix is never a merge target, so the attention sink stays as prefilled); its
-    nearest kept entry is its candidate and ``s`` the similarity. Taking the evicted entries in position order,
-    the threshold starts at ``tau_0 = mean(s)`` and follows ``tau_t = beta s_t + (1 - beta) tau_{t-1}``; entry
-    ``t`` is merged when ``s_t >= tau_{t-1}`` and dropped otherwise (``ema_thresholds``). A kept entry ``c`` with
+    Merge (``merge="keys+values"``, the paper's): each evicted entry's key is compared by cosine similarity with
+    the kept context keys of its head (the template prefix is never a merge target, so the attention sink stays as
+    prefilled); its nearest kept entry is its candidate and ``s`` the similarity. Taking the evicted entries in
+    position order, the threshold starts at ``tau_0 = mean(s)`` and follows ``tau_t = beta s_t + (1 - beta)
+    tau_{t-1}``; entry ``t`` is merged when ``s_t >= tau_{t-1}`` and dropped otherwise (``ema_thresholds``). A kept entry ``c`` with
     merged entries ``E_c`` becomes ``(e k_c + sum_{E_c} exp(s_i) k_i) / (e + sum_{E_c} exp(s_i))``, values alike,
-    at ``c``'s position (``merge_evicted``). ``merge=False`` is D2O's eviction alone.
+    at ``c``'s position (``merge_evicted``). ``merge="values"`` chooses the same merged entries and weights but
+    averages only the values, leaving every kept key as prefilled; ``merge="off"`` is D2O's eviction alone.
+
+    In a compress-once tool the selection is query-blind: the cumulative attention is the context's own prefill
+    attention, whereas the paper's long-context settings prefilled a prompt that ended with the question. And the
+    keys are merged after RoPE, across positions that can lie far apart, so a merged key no longer matches its
+    position; ``kvpack bench`` measures the three modes side by side (README, method table).
 
     Cumulative attention and column sums are recorded chunk by chunk during the one prefill (``kvpack.stats``).
 
     Parameters:
         sink: attention-sink tokens at the start of the context kept in every head (paper: 4).
         recent_ratio: share ``M / (N + M)`` of the recent window in a head's non-sink budget (paper: 1/4).
-        merge: merge evicted entries into kept ones (default true).
+        merge: ``"keys+values"`` (default, the paper's), ``"values"`` or ``"off"`` (see above); ``True`` and
+            ``False`` are read as ``"keys+values"`` and ``"off"``.
         beta: EMA weight of the merge threshold, in [0, 1] (paper: 0.7).
     """
 
@@ -65,14 +76,16 @@ class D2O(Method):
     fixed_scope: ClassVar[str] = "head"
     sink: int = 4
     recent_ratio: float = 0.25
-    merge: bool = True
+    merge: str = "keys+values"
     beta: float = 0.7
 
     def __post_init__(self):
         super().__post_init__()
         check_int(self.name, "sink", self.sink, 0)
         check_float(self.name, "recent_ratio", self.recent_ratio, 0.0, 1.0)
-        check_bool(self.name, "merge", self.merge)
+        if isinstance(self.merge, bool):  # the earlier boolean option
+            self.merge = "keys+values" if self.merge else "off"
+        check_choice(self.name, "merge", self.merge, MERGE_MODES)
         check_float(self.name, "beta", self.beta, 0.0, 1.0)
 
     def recorder(self, spec: ModelSpec, tokens: int, device) -> AttentionRecorder:
@@ -100,7 +113,7 @@ class D2O(Method):
         return forced | heavy
 
     def update_entries(self, prefill: Prefill, keep: torch.Tensor, layers: list[LayerEntries]) -> dict:
-        if not self.merge:
+        if self.merge == "off":
             return {}
         merged = dropped = 0
         sink = prefill.sink
@@ -114,14 +127,16 @@ class D2O(Method):
                 if len(kept) == 0 or len(evicted) == 0:
                     dropped += len(evicted)
                     continue
-                new_k, new_v, was_merged = merge_evicted(keys[h, kept], values[h, kept], keys[h, evicted],
-                                                         values[h, evicted], self.beta)
+                was_merged, target, weight = merge_plan(keys[h, kept], keys[h, evicted], self.beta)
                 rows = slice(offsets[h] + sink, offsets[h] + sink + len(kept))
-                entries.keys[rows] = new_k.to(entries.keys.dtype)
+                if self.merge == "keys+values":
+                    new_k = merge_rows(keys[h, kept], keys[h, evicted[was_merged]], target, weight)
+                    entries.keys[rows] = new_k.to(entries.keys.dtype)
+                new_v = merge_rows(values[h, kept], values[h, evicted[was_merged]], target, weight)
                 entries.values[rows] = new_v.to(entries.values.dtype)
                 merged += int(was_merged.sum())
                 dropped += len(evicted) - int(was_merged.sum())
-        return {"merged": merged, "dropped": dropped}
+        return {"mode": self.merge, "merged": merged, "dropped": dropped}
 
 
 def layer_variance(column_sums: list[torch.Tensor], sink: int) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Iterator
 
@@ -11,7 +12,8 @@ from .. import tasks
 from ..errors import InputError
 from ..attention import use_kvpack_attention
 from ..prefill import Prefill
-from .base import Method
+from .base import Method, check_choice
+from .kvzip_plus import SCORINGS, plus_weights
 
 __all__ = ["KVzip"]
 
@@ -29,23 +31,28 @@ class KVzip(Method):
 
     The score of entry (layer, KV head, position) is the maximum attention probability it receives over the
     repeat input's queries and the query heads of its GQA group (arXiv 2505.23416, Eq. 2). The repeat input is
-    never added to the cache. The largest attention matrix is ``[heads, 256 queries, sink + 2 x chunk]``, so
-    memory grows linearly with the context.
+    never added to the cache. ``scoring="plus"`` weights each probability by the entry's output norm relative to
+    the query's hidden state (KVzip+, as NVIDIA kvpress's ``KVzipPress``;
+    ``kvpack.methods.kvzip_plus``). The largest attention
+    matrix is ``[heads, 256 queries, sink + 2 x chunk]``, so memory grows linearly with the context.
 
     Parameters:
         chunk_size: context tokens scored per reconstruction pass (paper: 2048).
         tail_tokens: tokens of the previous chunk quoted in later repeat prompts (paper: 8).
+        scoring: ``"attention"`` (default, the paper's Eq. 2) or ``"plus"`` (KVzip+).
     """
 
     name: ClassVar[str] = "kvzip"
     chunk_size: int = 2048
     tail_tokens: int = 8
+    scoring: str = "attention"
 
     def __post_init__(self):
         for field, low in (("chunk_size", 1), ("tail_tokens", 0)):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise InputError(f"kvzip: {field} must be an integer >= {low}, got {value!r}")
+        check_choice(self.name, "scoring", self.scoring, SCORINGS)
 
     @torch.inference_mode()
     def score(self, model, tokenizer, prefill: Prefill, progress: Callable[[int], None] | None = None
@@ -57,6 +64,7 @@ class KVzip(Method):
         scores = torch.zeros(len(spec.compressed_layers), spec.num_kv_heads, n_ctx, dtype=torch.float32,
                              device=device)
         body = model.base_model
+        grams = {}  # KVzip+: each layer's W_o^T W_o, shared by the chunks
         for start, stop, repeat_ids in self.repeat_inputs(tokenizer, prefill):
             cache = prefill.view_cache(slice(start, stop))
             buffers = []
@@ -65,7 +73,8 @@ class KVzip(Method):
                 layer.scores = torch.zeros(spec.num_kv_heads, layer.kept, dtype=torch.float32, device=device)
                 buffers.append(layer.scores)
             self._prepare_repeat_pass(cache, start)
-            body(input_ids=torch.tensor([repeat_ids], device=device), past_key_values=cache, use_cache=True)
+            with plus_weights(model, spec, cache, grams) if self.scoring == "plus" else contextlib.nullcontext():
+                body(input_ids=torch.tensor([repeat_ids], device=device), past_key_values=cache, use_cache=True)
             for i, buf in enumerate(buffers):
                 scores[i, :, start:stop] = buf[:, prefill.sink :]
             if progress:
