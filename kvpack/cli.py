@@ -285,7 +285,8 @@ def _bar(total: int):
 @click.option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE, show_default=True,
               help="Tokens per prefill and repeat-pass chunk.")
 @_model_options
-def heads(inputs, model_name, out_file, scoring, chunk_size, device, dtype):
+@_storage_options
+def heads(inputs, model_name, out_file, scoring, chunk_size, device, dtype, storage_option):
     """Score the model's KV heads once for `kvpack build --method kvzip-head` (KVzip's context-independent mode).
 
     Each context in INPUT... (as for build) is prefilled and scored by KVzip's repeat pass; a (layer, KV head)
@@ -294,12 +295,13 @@ def heads(inputs, model_name, out_file, scoring, chunk_size, device, dtype):
     """
     from .heads import head_scores, save_head_scores
 
-    contexts = discover_contexts(inputs)
+    so = storage.parse_storage_options(storage_option)
+    contexts = discover_contexts(inputs, storage_options=so)
     model, tokenizer = _load(model_name, device, dtype)
     done = lambda i, n: click.echo(f"scored {i}/{n} contexts", err=True)  # noqa: E731
     scores = head_scores(model, tokenizer, [c.text for c in contexts], names=[c.name for c in contexts],
                          scoring=scoring, chunk_size=chunk_size, progress=done)
-    written = save_head_scores(scores, out_file)
+    written = save_head_scores(scores, out_file, storage_options=so)
     rows = [(str(l), *(f"{float(v):.4f}" for v in row)) for l, row in zip(scores.compressed_layers, scores.scores)]
     click.echo(_table(("layer", *(f"head {h}" for h in range(scores.scores.shape[1]))), rows,
                       right=tuple(range(scores.scores.shape[1] + 1))))

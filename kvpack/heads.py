@@ -26,13 +26,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from . import storage
 from .errors import InputError, ModelMismatchError
 from .fingerprint import check_fingerprint, model_fingerprint
 from .layout import chat_layout
@@ -139,61 +138,49 @@ def head_scores(model, tokenizer, texts: list[str], *, names: list[str] | None =
                       method={"scoring": scoring, "chunk_size": chunk_size, "tail_tokens": tail_tokens})
 
 
-def save_head_scores(scores: HeadScores, path: str | os.PathLike) -> int:
-    """Write ``scores`` to ``path`` as safetensors (module docstring), atomically (temp file + rename).
+def save_head_scores(scores: HeadScores, path: str | os.PathLike, storage_options: dict | None = None) -> int:
+    """Write ``scores`` to ``path`` (a local path or an fsspec URL, ``kvpack.storage``) as safetensors (module
+    docstring), atomically (``storage.write_atomic``: temp file + rename, or one put on object stores).
 
-    Returns the bytes written. Raises ``InputError`` if the folder cannot be written.
+    Returns the bytes written. Raises ``InputError`` if the destination cannot be written.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
-    path = Path(path)
     metadata = {"format": HEADS_FORMAT, "version": HEADS_VERSION,
                 "fingerprint": json.dumps(scores.fingerprint, sort_keys=True),
                 "contexts": json.dumps(scores.contexts), "compressed_layers": json.dumps(scores.compressed_layers),
                 "method": json.dumps(scores.method, sort_keys=True)}
     tensors = {"scores": scores.scores.detach().float().cpu().clone().contiguous(),  # own storage each
                "context_scores": scores.context_scores.detach().float().cpu().clone().contiguous()}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=metadata)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    except OSError as exc:
-        raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
-    return path.stat().st_size
+    return storage.write_atomic(path, save(tensors, metadata=metadata), storage_options)
 
 
-def load_head_scores(path: str | os.PathLike) -> HeadScores:
-    """Read and validate a head-score file written by ``save_head_scores``.
+def load_head_scores(path: str | os.PathLike, storage_options: dict | None = None) -> HeadScores:
+    """Read and validate a head-score file written by ``save_head_scores`` (a local path or an fsspec URL).
 
     Raises:
         InputError: the file is missing, larger than ``MAX_HEADS_FILE_BYTES``, not safetensors, of another format
             or version, or any tensor or metadata field is missing or malformed (named in the message), or a score
             is not finite or negative.
     """
-    from safetensors import safe_open
+    from safetensors.torch import load
 
-    path = Path(path)
     where = f"head-score file {path}"
-    if not path.is_file():
+    if not storage.is_file(path, storage_options):
         raise InputError(f"{where} does not exist; {_MAKE_IT}")
-    size = path.stat().st_size
+    size = storage.file_size(path, storage_options)
     if size > MAX_HEADS_FILE_BYTES:
         raise InputError(f"{where} is {size:,} bytes, more than the {MAX_HEADS_FILE_BYTES:,} a head-score file may "
                          "be; it is not one")
+    data = storage.read_bytes(path, storage_options)
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            names = set(f.keys())
-            tensors = {n: f.get_tensor(n) for n in names & {"scores", "context_scores"}}
+        meta = _safetensors_metadata(data)
+        loaded = load(data)
     except Exception as exc:  # safetensors raises its own error type (and others) for malformed bytes
         raise InputError(f"{where} is not a valid safetensors file ({type(exc).__name__}: {exc}); {_MAKE_IT}") \
             from None
+    names = set(loaded)
+    tensors = {n: loaded[n] for n in names & {"scores", "context_scores"}}
     if meta.get("format") != HEADS_FORMAT:
         raise InputError(f"{where} is not a kvpack head-score file (format {meta.get('format')!r}); {_MAKE_IT}")
     if meta.get("version") != HEADS_VERSION:
@@ -258,3 +245,14 @@ def _json_field(meta: dict, key: str, kind: type, where: str):
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
+
+def _safetensors_metadata(data: bytes) -> dict:
+    """The ``__metadata__`` of safetensors ``data`` (its 8-byte length prefix and JSON header); raises on bytes that
+    are not a safetensors header (``load_head_scores`` turns that into an ``InputError``)."""
+    n = int.from_bytes(data[:8], "little")
+    if len(data) < 8 + n:
+        raise ValueError("the header is longer than the file")
+    meta = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise ValueError("__metadata__ is not an object")
+    return meta

@@ -20,6 +20,7 @@ from kvpack.methods.kvzip import KVzip
 from kvpack.model import model_spec
 from kvpack.prefill import prefill
 
+from .servers import clean_memory  # noqa: F401 (fixture)
 from .tiny import HEAD_TEXTS, TEXT, tiny_heads_file, tiny_model
 
 
@@ -125,6 +126,24 @@ def test_save_load_round_trip_and_the_file_is_safetensors(tmp_path):
     assert header["__metadata__"]["format"] == "kvpack-head-scores"
     assert [c["sha256"] for c in json.loads(header["__metadata__"]["contexts"])] == [
         __import__("hashlib").sha256(t.encode()).hexdigest() for t in HEAD_TEXTS]
+
+
+def test_head_files_on_a_url_round_trip_and_a_stray_tensor_is_refused(clean_memory):
+    hs = load_head_scores(tiny_heads_file("llama"))
+    written = save_head_scores(hs, "memory://heads/h.safetensors")
+    assert written == clean_memory.size("/heads/h.safetensors") > 0
+    assert clean_memory.ls("/heads", detail=False) == ["/heads/h.safetensors"]  # no temporary left behind
+    again = load_head_scores("memory://heads/h.safetensors")
+    assert torch.equal(again.scores, hs.scores) and again.fingerprint == hs.fingerprint
+    with pytest.raises(InputError, match="does not exist"):
+        load_head_scores("memory://heads/missing.safetensors")
+    from safetensors.torch import save
+
+    data = save({"scores": hs.scores, "context_scores": hs.context_scores, "extra": torch.zeros(1)},
+                metadata=__import__("safetensors").safe_open(tiny_heads_file("llama"), framework="pt").metadata())
+    clean_memory.pipe("/heads/stray.safetensors", data)
+    with pytest.raises(InputError, match="extra"):
+        load_head_scores("memory://heads/stray.safetensors")
 
 
 def _hostile(tmp_path, name: str, tensors: dict | None = None, **meta_changes) -> str:
