@@ -237,6 +237,15 @@ def test_a_dtype_mismatch_says_which_dtypes_differ(llama, tmp_path):
     assert "`--dtype float16`" in res.stderr and "weights differ" not in res.stderr
 
 
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default. A test run started in the background by a
+    non-interactive shell (``cmd &``) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt
+    handler, so the child would never see the Ctrl-C this test sends."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_prints_the_summary_so_far_and_exits_130(tmp_path):
     """A real SIGINT to ``python -m kvpack build`` once the first pack is in the manifest."""
     import os
@@ -255,7 +264,7 @@ def test_ctrl_c_prints_the_summary_so_far_and_exits_130(tmp_path):
                                                                    os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen([sys.executable, "-m", "kvpack", "build", str(docs), "--out", str(out), "--chunk-size",
                              "256", "--device", "cpu"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+                            env=env, preexec_fn=_default_sigint)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None and "a.kvpack" not in read_manifest(out):
         time.sleep(0.2)
