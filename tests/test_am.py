@@ -76,6 +76,19 @@ def test_least_squares_singular_falls_back_to_ridge():
     torch.testing.assert_close(X @ C, Y, atol=1e-3, rtol=1e-4)
 
 
+def test_least_squares_rank_one_gram_escalates_the_ridge():
+    """A rank-one float32 Gram matrix (300 proportional columns) is not positive definite even with the 1e-6
+    ridge; a larger ridge still gives a finite fit whose residual is that of the best one (Y lies in X's span)."""
+    gen = torch.Generator().manual_seed(4)
+    u, v = torch.rand(400, 1, generator=gen) + 0.5, torch.rand(1, 300, generator=gen) + 0.5
+    X = u @ v
+    Y = X @ torch.rand(300, 2, generator=gen)
+    assert int(torch.linalg.cholesky_ex(X.T @ X + 1e-6 * (X.T @ X).diagonal().mean() * torch.eye(300))[1]) != 0
+    C = least_squares(X, Y)
+    assert torch.isfinite(C).all()
+    assert float((X @ C - Y).norm() / Y.norm()) < 1e-3
+
+
 def test_fit_of_every_key_is_exact():
     """Keeping every key: beta = 0 (w = 1 solves the mass exactly) and the least-squares values are V itself."""
     gen = torch.Generator().manual_seed(2)

@@ -71,7 +71,7 @@ PATHS = {"dispatch": packed_attention, "flash": lambda q, l, s, w=None: _packed_
 def test_packed_attention_matches_explicit_softmax_with_biases(path, q_len, tail_extra, group, biased):
     lengths = [7, 0, 30, 1]  # an empty head and uneven budgets
     layer = _layer(lengths, q_len, tail_extra, biased)
-    query = torch.randn(1, group * len(lengths), q_len, D)
+    query = torch.randn(1, q_len, group * len(lengths), D).transpose(1, 2)  # strided, as the model's queries are
     fn = PATHS[path]
     got = fn(query, layer, 0.3) if path != "torch" else fn(query, layer, 0.3, None)
     assert got.shape == (1, q_len, group * len(lengths), D) and got.dtype == torch.float32

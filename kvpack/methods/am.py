@@ -192,9 +192,9 @@ class AttentionMatching(KVzip):
             err, base, ms = [], [], []
             for h in range(keys.shape[0]):
                 kept = keep[i, h].nonzero().squeeze(1).to(keys.device)
-                if len(kept) == 0 or len(kept) * OVERDETERMINED > n_fit:
+                if len(kept) in (0, keys.shape[1] - sink) or len(kept) * OVERDETERMINED > n_fit:
                     unfitted += 1
-                    continue  # as KVzip selected it: beta = 0, values copied
+                    continue  # as KVzip selected it (nothing kept, or nothing evicted): beta = 0, values copied
                 k_ctx, v_ctx = keys[h, sink:], values[h, sink:]
                 fit = fit_head(k_ctx, v_ctx, fit_q[h], kept, scaling, fit_values=self.values == "fit")
                 new_values = fit.values

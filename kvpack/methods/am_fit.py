@@ -23,7 +23,7 @@ import math
 
 import torch
 
-__all__ = ["BETA_RANGE", "NNLS_ITERS", "RIDGE", "nnls_box", "least_squares", "HeadFit", "fit_head",
+__all__ = ["BETA_RANGE", "NNLS_ITERS", "RIDGE", "RIDGE_STEPS", "nnls_box", "least_squares", "HeadFit", "fit_head",
            "attention_output", "relative_error"]
 
 #: beta = log w is clamped to this range (the paper's configuration: w in [e^-3, e^3]).
@@ -33,6 +33,10 @@ NNLS_ITERS = 2
 #: Ridge added to the normal equations when plain least squares fails (not finite, or no better than its
 #: fallback point), relative to the mean diagonal of the Gram matrix (the paper: a fixed 1e-6 on probabilities).
 RIDGE = 1e-6
+#: Ridges tried before the SVD pseudo-inverse: ``RIDGE x 10^k`` for ``k < RIDGE_STEPS`` (up to 1e-1 of the mean
+#: diagonal), the first whose normal equations factorise (float32 Gram matrices of nearly equal exp-logit columns
+#: are not numerically positive definite at 1e-6: seen on a head keeping all of its 1,024 entries).
+RIDGE_STEPS = 6
 
 
 def nnls_box(M: torch.Tensor, y: torch.Tensor, low: float, high: float, iters: int = NNLS_ITERS) -> torch.Tensor:
@@ -72,7 +76,9 @@ def least_squares(X: torch.Tensor, Y: torch.Tensor, fallback: torch.Tensor | Non
 
     If that fails (a matrix that is not numerically positive definite, a non-finite result, or a residual above
     that of ``fallback``, a feasible point such as the copied values), the ridge-regularised normal equations
-    ``(X^T X + lambda I) C = X^T Y`` are solved with ``lambda = RIDGE x mean(diag(X^T X))``. arXiv 2602.16284
+    ``(X^T X + lambda I) C = X^T Y`` are solved with the smallest ``lambda = RIDGE x 10^k x mean(diag(X^T X))``
+    (``k < RIDGE_STEPS``) whose Cholesky factorisation succeeds, and failing all of those by the SVD
+    pseudo-inverse (``torch.linalg.pinv``). arXiv 2602.16284
     §3.2 (the paper's code offers ``lstsq``, ``cholesky`` and ``pinv`` solvers, with a 1e-6 ridge fallback).
 
     Args:
@@ -96,10 +102,16 @@ def least_squares(X: torch.Tensor, Y: torch.Tensor, fallback: torch.Tensor | Non
         ok = False
     if ok:
         return C
-    gram = X.T @ X
-    lam = RIDGE * float(gram.diagonal().mean().clamp_min(1e-30))
-    gram.diagonal().add_(lam)
-    return torch.cholesky_solve(X.T @ Y, torch.linalg.cholesky(gram))
+    gram, rhs = X.T @ X, X.T @ Y
+    scale = float(gram.diagonal().mean().clamp_min(1e-30))
+    for k in range(RIDGE_STEPS):  # the smallest ridge, 1e-6 x 10^k, whose system factorises
+        lam = RIDGE * 10.0**k * scale
+        factor, info = torch.linalg.cholesky_ex(gram + lam * torch.eye(t, dtype=gram.dtype, device=gram.device))
+        if int(info) == 0:
+            C = torch.cholesky_solve(rhs, factor)
+            if bool(torch.isfinite(C).all()):
+                return C
+    return torch.linalg.pinv(X) @ Y  # minimum-norm least squares by SVD: always defined
 
 
 class HeadFit:
