@@ -18,7 +18,7 @@ from kvpack.fileformat import load_pack, pack_to_bytes
 from kvpack.generation import question_input_ids
 from kvpack.methods import get_method
 from kvpack.methods.am import QueryReservoir
-from kvpack.methods.am_fit import attention_output, fit_head, least_squares, nnls_box
+from kvpack.methods.am_fit import attention_output, context_attention, fit_head, least_squares, nnls_box
 
 from .tiny import ARCHITECTURES, TEXT, tiny_model
 
@@ -89,17 +89,35 @@ def test_least_squares_rank_one_gram_escalates_the_ridge():
     assert float((X @ C - Y).norm() / Y.norm()) < 1e-3
 
 
-def test_fit_of_every_key_is_exact():
+@pytest.mark.parametrize("dv", [5, 8])  # values narrower than keys (explicit path) and as wide (flash)
+@pytest.mark.parametrize("shift", ["lse", "max"])
+def test_fit_of_every_key_is_exact(shift, dv):
     """Keeping every key: beta = 0 (w = 1 solves the mass exactly) and the least-squares values are V itself."""
     gen = torch.Generator().manual_seed(2)
-    K, V, Q = torch.randn(12, 8, generator=gen), torch.randn(12, 5, generator=gen), torch.randn(200, 8, generator=gen)
-    fit = fit_head(K, V, Q, torch.arange(12), 8 ** -0.5)
+    K, V, Q = torch.randn(12, 8, generator=gen), torch.randn(12, dv, generator=gen), torch.randn(200, 8, generator=gen)
+    fit = fit_head(K, V, Q, torch.arange(12), 8 ** -0.5, shift=shift)
     torch.testing.assert_close(fit.beta, torch.zeros(12), atol=1e-4, rtol=0)
     torch.testing.assert_close(fit.values, V, atol=1e-3, rtol=1e-3)
     assert fit.mass_error < 1e-5
 
 
-def test_fitted_head_beats_the_selection_on_held_out_queries():
+@pytest.mark.parametrize("dv", [7, 16])
+def test_context_attention_is_softmax_attention_with_its_log_sum_exp(dv):
+    gen = torch.Generator().manual_seed(5)
+    Q, K, V = torch.randn(30, 16, generator=gen), torch.randn(50, 16, generator=gen), torch.randn(50, dv, generator=gen)
+    out, lse = context_attention(Q, K, V, 0.3)
+    logits = (Q.double() @ K.double().T) * 0.3
+    torch.testing.assert_close(lse.double(), logits.logsumexp(-1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), logits.softmax(-1) @ V.double(), atol=1e-5, rtol=1e-5)
+
+
+def test_unknown_shift_is_refused():
+    with pytest.raises(ValueError, match="shift"):
+        fit_head(torch.randn(4, 2), torch.randn(4, 2), torch.randn(3, 2), torch.arange(2), 1.0, shift="mean")
+
+
+@pytest.mark.parametrize("shift", ["lse", "max"])
+def test_fitted_head_beats_the_selection_on_held_out_queries(shift):
     """A random head, half its keys kept: the fitted head's output on unseen queries is closer to the full head's
     than the kept subset's alone (beta = 0, values copied), and mass matching alone helps too."""
     gen = torch.Generator().manual_seed(3)
@@ -113,7 +131,7 @@ def test_fitted_head_beats_the_selection_on_held_out_queries():
         return float(((out - full).norm(dim=-1) / full.norm(dim=-1)).mean())
 
     selection = err(attention_output(held, K[kept], V[kept], scale))
-    fit = fit_head(K, V, Q, kept, scale)
+    fit = fit_head(K, V, Q, kept, scale, shift=shift)
     fitted = err(attention_output(held, K[kept], fit.values, scale, fit.beta))
     assert fitted < 0.5 * selection
 
@@ -177,7 +195,7 @@ def test_sink_stays_exact():
 
 
 def test_bad_options_are_input_errors():
-    for bad in (dict(values="lsq"), dict(selection="mean"), dict(queries=3), dict(on_policy="yes")):
+    for bad in (dict(values="lsq"), dict(selection="mean"), dict(queries=3), dict(on_policy="yes"), dict(shift="mean")):
         with pytest.raises(InputError):
             get_method("am", **bad)
 

@@ -8,7 +8,15 @@ also records the reference queries) serves KVzip and every AM variant; each pack
 ``tests/test_am.py`` covers) to save time on a loaded machine. Contexts and targets are the bench's own
 (``kvpack.bench.continuation``, ``kvpack.bench.multiquery``, same seeds).
 
+``--budgets`` is an ablation of how the budget is split over heads (the same scores, the same total):
+
+    global   KVzip's global top-k (the default of both methods: non-uniform heads, arXiv 2505.23416 §3.3)
+    head     an even split over every (layer, KV head), top-k within each head
+    floorF   every head first gets its top ``F x`` the even share (e.g. ``floor0.125``), the rest by global top-k
+
     python tools/bench_am.py --cont-docs 2 --cont-length 1024 --mq-contexts 1 --mq-length 1024 --mq-facts 4
+    python tools/bench_am.py --cont-docs 2 --cont-length 1024 --mq-contexts 0 --ratios 0.1,0.05 \
+        --budgets global,head,floor0.0625,floor0.25 --variants kvzip,am
 """
 
 from __future__ import annotations
@@ -32,28 +40,51 @@ from kvpack.cache import KvpackCache  # noqa: E402
 from kvpack.compress import assemble_pack  # noqa: E402
 from kvpack.layout import chat_layout  # noqa: E402
 from kvpack.methods import get_method  # noqa: E402
+from kvpack.methods.base import split_evenly, top_k_rows  # noqa: E402
 from kvpack.model import model_spec  # noqa: E402
 from kvpack.prefill import prefill  # noqa: E402
 
 VARIANTS = ("kvzip", "am", "am[values=copy]", "am[values=merge]")  # method specs (kvpack.bench.specs)
 
 
-def packs_for(model, tok, text: str, ratios: list[float], queries: int) -> dict[tuple[str, float], object]:
-    """``{(variant, ratio): Pack}`` from one prefill and one AM scoring pass."""
+def split_budget(scorer, scores: torch.Tensor, ratio: float, full, budget: str) -> torch.Tensor:
+    """Keep mask ``[layers, kv_heads, tokens]`` with ``round(ratio x entries)`` entries split over heads as
+    ``budget`` says (module docstring): ``global``, ``head`` or ``floorF``."""
+    layers, heads, n = scores.shape
+    total = int(round(ratio * scores.numel()))
+    flat = scores.detach().float().reshape(layers * heads, n)
+    if budget == "global":
+        return scorer.select(scores, ratio, full)
+    if budget == "head":
+        return top_k_rows(flat, split_evenly(total, layers * heads)).view(scores.shape)
+    if not budget.startswith("floor"):
+        raise SystemExit(f"--budgets: unknown split {budget!r} (global, head or floorF)")
+    floor = min(n, int(float(budget[5:]) * total / (layers * heads)))
+    keep = top_k_rows(flat, torch.full((layers * heads,), floor, dtype=torch.int64)).flatten()
+    rest = flat.flatten().masked_fill(keep, float("-inf"))
+    keep[rest.argsort(descending=True, stable=True)[: total - int(keep.sum())]] = True
+    return keep.view(scores.shape)
+
+
+def packs_for(model, tok, text: str, ratios: list[float], queries: int, budgets=("global",), variants=VARIANTS
+              ) -> dict[tuple[str, str, float], object]:
+    """``{(variant, budget, ratio): Pack}`` from one prefill and one AM scoring pass."""
     spec, layout = model_spec(model), chat_layout(tok)
     prefix = layout.prefix_ids(tok)
     full = prefill(model, prefix + layout.encode(tok, text), len(prefix), layout, spec, 2048)
     scorer = get_method("am", queries=queries)
     scores = scorer.score(model, tok, full)
-    kvzip = get_method("kvzip")
     out = {}
-    for r in ratios:
-        keep = scorer.select(scores, r, full)
-        out[("kvzip", r)] = assemble_pack(model, tok, text, kvzip, r, full, keep, "<bench>")
-        for name in VARIANTS[1:]:
-            m = get_method("am", queries=queries, **parse_method_spec(name)[1])
-            m._spec, m._reservoirs = scorer._spec, scorer._reservoirs
-            out[(name, r)] = assemble_pack(model, tok, text, m, r, full, keep, "<bench>")
+    for budget in budgets:
+        for r in ratios:
+            keep = split_budget(scorer, scores, r, full, budget)
+            for name in variants:
+                if name == "kvzip":
+                    m = get_method("kvzip")
+                else:
+                    m = get_method("am", queries=queries, **parse_method_spec(name)[1])
+                    m._spec, m._reservoirs = scorer._spec, scorer._reservoirs
+                out[(name, budget, r)] = assemble_pack(model, tok, text, m, r, full, keep, "<bench>")
     return out
 
 
@@ -66,27 +97,34 @@ def main() -> None:
     ap.add_argument("--mq-length", type=int, default=1024)
     ap.add_argument("--mq-facts", type=int, default=4)
     ap.add_argument("--queries", type=int, default=4096)
+    ap.add_argument("--budgets", default="global", help="comma-separated splits over heads: global, head, floorF")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated method specs (kvzip or am[...])")
     ap.add_argument("--out", default="runs/bench_am.json")
     args = ap.parse_args()
     ratios = [float(r) for r in args.ratios.split(",")]
+    budgets, variants = args.budgets.split(","), args.variants.split(",")
     model, tok = kvpack.load_model(None)
     results = {"command": " ".join(sys.argv), "continuation": [], "multiquery": []}
     t0 = time.perf_counter()
     for doc in continuation_docs(tok, args.cont_length, args.cont_docs):
         ref = full_cache_logprobs(model, tok, doc)
         ref_nll = _nll(ref, doc.target_ids)
-        for (name, r), pack in packs_for(model, tok, doc.text, ratios, args.queries).items():
+        for (name, budget, r), pack in packs_for(model, tok, doc.text, ratios, args.queries, budgets,
+                                                 variants).items():
             lp = _cache_logprobs(model, KvpackCache.from_pack(pack), doc.target_ids)
-            row = {"doc": doc.key, "variant": name, "ratio": r, "delta_nll": _nll(lp, doc.target_ids) - ref_nll,
-                   "fit": pack.metadata["stats"].get("fit")}
+            row = {"doc": doc.key, "variant": name, "budget": budget, "ratio": r,
+                   "delta_nll": _nll(lp, doc.target_ids) - ref_nll, "fit": pack.metadata["stats"].get("fit"),
+                   "head_entries": [[int(n) for n in e.head_lengths] for e in pack.layers]}
             results["continuation"].append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "fit"}), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("fit", "head_entries")}), flush=True)
     for ctx in multiquery_contexts(tok, args.mq_length, args.mq_facts, args.mq_contexts):
-        for (name, r), pack in packs_for(model, tok, ctx.text, ratios, args.queries).items():
+        for (name, budget, r), pack in packs_for(model, tok, ctx.text, ratios, args.queries, budgets,
+                                                 variants).items():
             cache = KvpackCache.from_pack(pack)
             correct = sum(tasks.answer_matches(kvpack.generate(model, tok, cache, q, max_new_tokens=32), f)
                           for f, q in zip(ctx.facts, ctx.questions))
-            row = {"context": ctx.key, "variant": name, "ratio": r, "correct": correct, "asked": len(ctx.facts)}
+            row = {"context": ctx.key, "variant": name, "budget": budget, "ratio": r, "correct": correct,
+                   "asked": len(ctx.facts)}
             results["multiquery"].append(row)
             print(json.dumps(row), flush=True)
     results["seconds"] = time.perf_counter() - t0

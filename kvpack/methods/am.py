@@ -11,7 +11,7 @@ import torch
 
 from ..pack import LayerEntries
 from ..prefill import Prefill
-from .am_fit import attention_output, fit_head, relative_error
+from .am_fit import SHIFTS, attention_output, fit_head, relative_error
 from .base import check_bool, check_choice, check_int, top_k_rows
 from .d2o import D2O, merge_plan, merge_rows
 from .kvzip import KVzip
@@ -97,7 +97,7 @@ class AttentionMatching(KVzip):
 
     Two guards of kvpack's own (not in the paper, which fits with up to 50,000 queries per head): a head keeping
     more than ``1 / OVERDETERMINED`` of its fit queries' count is not fitted (least squares would interpolate
-    noise), and with ``held_out_check`` a head whose fit is worse on the held-out queries than KVzip's selection
+    noise; nor is a head that keeps none or all of its context entries, where there is nothing to fit), and with ``held_out_check`` a head whose fit is worse on the held-out queries than KVzip's selection
     alone keeps the selection (beta = 0, values copied). Either way the head is exactly KVzip's.
 
     The pack's metadata gets ``stats["fit"]``: per compressed layer the mean relative error of the head outputs on
@@ -112,6 +112,7 @@ class AttentionMatching(KVzip):
         queries: reference queries per KV head (fit + held out), ``>= 16``.
         on_policy: recompute each layer's queries with the earlier layers compacted.
         held_out_check: keep KVzip's selection for a head whose fit does worse on held-out queries (default true).
+        shift: the mass matching's per-query shift, ``"lse"`` (default) or ``"max"`` (``am_fit``'s docstring).
     """
 
     name: ClassVar[str] = "am"
@@ -121,6 +122,7 @@ class AttentionMatching(KVzip):
     queries: int = 4096
     on_policy: bool = False
     held_out_check: bool = True
+    shift: str = "lse"
 
     def __post_init__(self):
         super().__post_init__()
@@ -129,6 +131,7 @@ class AttentionMatching(KVzip):
         check_int(self.name, "queries", self.queries, 16)
         check_bool(self.name, "on_policy", self.on_policy)
         check_bool(self.name, "held_out_check", self.held_out_check)
+        check_choice(self.name, "shift", self.shift, SHIFTS)
         self._reservoirs: list[QueryReservoir] | None = None
 
     def _prepare_repeat_pass(self, cache, start: int) -> None:
@@ -196,7 +199,8 @@ class AttentionMatching(KVzip):
                     unfitted += 1
                     continue  # as KVzip selected it (nothing kept, or nothing evicted): beta = 0, values copied
                 k_ctx, v_ctx = keys[h, sink:], values[h, sink:]
-                fit = fit_head(k_ctx, v_ctx, fit_q[h], kept, scaling, fit_values=self.values == "fit")
+                fit = fit_head(k_ctx, v_ctx, fit_q[h], kept, scaling, fit_values=self.values == "fit",
+                               shift=self.shift)
                 new_values = fit.values
                 if self.values == "merge" and len(kept) < k_ctx.shape[0]:
                     evicted = (~keep[i, h]).nonzero().squeeze(1).to(keys.device)
