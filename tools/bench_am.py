@@ -13,6 +13,8 @@ also records the reference queries) serves KVzip and every AM variant; each pack
     global   KVzip's global top-k (the default of both methods: non-uniform heads, arXiv 2505.23416 §3.3)
     head     an even split over every (layer, KV head), top-k within each head
     floorF   every head first gets its top ``F x`` the even share (e.g. ``floor0.125``), the rest by global top-k
+    largest-full   a diagnostic, not an equal budget: ``global``, with the head that keeps most made complete (how
+             much of the loss sits in that one head's evictions)
 
     python tools/bench_am.py --cont-docs 2 --cont-length 1024 --mq-contexts 1 --mq-length 1024 --mq-facts 4
     python tools/bench_am.py --cont-docs 2 --cont-length 1024 --mq-contexts 0 --ratios 0.1,0.05 \
@@ -55,10 +57,15 @@ def split_budget(scorer, scores: torch.Tensor, ratio: float, full, budget: str) 
     flat = scores.detach().float().reshape(layers * heads, n)
     if budget == "global":
         return scorer.select(scores, ratio, full)
+    if budget == "largest-full":
+        keep = scorer.select(scores, ratio, full).clone()
+        largest = int(keep.sum(dim=2).flatten().argmax())
+        keep.view(layers * heads, n)[largest] = True
+        return keep
     if budget == "head":
         return top_k_rows(flat, split_evenly(total, layers * heads)).view(scores.shape)
     if not budget.startswith("floor"):
-        raise SystemExit(f"--budgets: unknown split {budget!r} (global, head or floorF)")
+        raise SystemExit(f"--budgets: unknown split {budget!r} (global, head, floorF or largest-full)")
     floor = min(n, int(float(budget[5:]) * total / (layers * heads)))
     keep = top_k_rows(flat, torch.full((layers * heads,), floor, dtype=torch.int64)).flatten()
     rest = flat.flatten().masked_fill(keep, float("-inf"))
@@ -97,7 +104,7 @@ def main() -> None:
     ap.add_argument("--mq-length", type=int, default=1024)
     ap.add_argument("--mq-facts", type=int, default=4)
     ap.add_argument("--queries", type=int, default=4096)
-    ap.add_argument("--budgets", default="global", help="comma-separated splits over heads: global, head, floorF")
+    ap.add_argument("--budgets", default="global", help="comma-separated splits over heads: global, head, floorF, largest-full")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated method specs (kvzip or am[...])")
     ap.add_argument("--out", default="runs/bench_am.json")
     args = ap.parse_args()
