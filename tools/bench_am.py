@@ -97,6 +97,7 @@ def packs_for(model, tok, text: str, ratios: list[float], queries: int, budgets=
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model folder (default: the embedded reference model)")
     ap.add_argument("--ratios", default="0.3,0.2,0.1,0.05,0.02")
     ap.add_argument("--cont-docs", type=int, default=2)
     ap.add_argument("--cont-length", type=int, default=1024)
@@ -110,7 +111,7 @@ def main() -> None:
     args = ap.parse_args()
     ratios = [float(r) for r in args.ratios.split(",")]
     budgets, variants = args.budgets.split(","), args.variants.split(",")
-    model, tok = kvpack.load_model(None)
+    model, tok = kvpack.load_model(args.model)
     results = {"command": " ".join(sys.argv), "continuation": [], "multiquery": []}
     t0 = time.perf_counter()
     for doc in continuation_docs(tok, args.cont_length, args.cont_docs):
