@@ -102,7 +102,8 @@ def cli():
 _METHOD_FLAGS = {"sink": "--sink", "recent_ratio": "--recent-ratio", "merge": "--merge",
                  "beta": "--beta", "budget": "--budget", "window": "--window", "question": "--question",
                  "seed": "--seed", "heads": "--heads", "scoring": "--score", "selection": "--select",
-                 "values": "--values", "queries": "--queries", "on_policy": "--on-policy"}
+                 "values": "--values", "queries": "--queries", "on_policy": "--on-policy",
+                 "reference": "--reference"}
 
 
 def _method_options(f):
@@ -139,6 +140,9 @@ def _method_options(f):
                      help="am: kept values fitted by least squares, copied, or D2O-merged [default: fit]."),
         click.option("--queries", type=click.IntRange(min=16), default=None,
                      help="am: reference queries per KV head [default: 4096]."),
+        click.option("--reference", type=click.Choice(["repeat", "continue", "both"]), default=None,
+                     help="am: reference queries from KVzip's repeat pass, from 512 tokens the model samples after "
+                          "the context (slower: a decode step each), or both [default: repeat]."),
         click.option("--on-policy", "on_policy", is_flag=True, default=None,
                      help="am: recompute each layer's queries with the earlier layers compacted."),
     ]

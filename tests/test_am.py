@@ -19,6 +19,9 @@ from kvpack.generation import question_input_ids
 from kvpack.methods import get_method
 from kvpack.methods.am import QueryReservoir
 from kvpack.methods.am_fit import attention_output, context_attention, fit_head, least_squares, nnls_box
+from kvpack.layout import chat_layout
+from kvpack.model import model_spec
+from kvpack.prefill import prefill
 
 from .tiny import ARCHITECTURES, TEXT, tiny_model
 
@@ -170,6 +173,45 @@ def test_fit_beats_selection_on_held_out_queries_of_a_real_model():
     assert fit["held_out"] > 0 and fit["heads_unfitted"] == 0
     for fitted, selected in zip(fit["relative_error"], fit["selection_error"]):
         assert fitted < 0.5 * selected
+
+
+def _reference_pools(arch, **options):
+    """Per compressed layer, the rows of the scorer's query pool (before its subsampling to ``queries``)."""
+    model, tok = tiny_model(arch)
+    spec, layout = model_spec(model), chat_layout(tok)
+    prefix = layout.prefix_ids(tok)
+    full = prefill(model, prefix + layout.encode(tok, TEXT), len(prefix), layout, spec, 40)
+    scorer = get_method("am", chunk_size=40, queries=100_000, **options)
+    scorer.score(model, tok, full)
+    return full, [sum(p.shape[1] for p in r.parts) for r in scorer._reservoirs], scorer
+
+
+def test_continuation_queries_are_the_sampled_tokens_and_deterministic():
+    """``reference="continue"``: one query row per sampled token and query head of the group (continue_tokens x
+    group, nothing from the repeat pass), the same rows on a second run; ``both`` pools the two sources."""
+    full, repeat, _ = _reference_pools("llama")
+    group = full.spec.num_heads // full.spec.num_kv_heads
+    _, sampled, first = _reference_pools("llama", reference="continue", continue_tokens=37)
+    assert sampled == [37 * group] * len(sampled)
+    _, _, again = _reference_pools("llama", reference="continue", continue_tokens=37)
+    for a, b in zip(first._reservoirs, again._reservoirs):
+        assert torch.equal(torch.cat(a.parts, dim=1), torch.cat(b.parts, dim=1))
+    _, both, _ = _reference_pools("llama", reference="both", continue_tokens=37)
+    assert both == [r + 37 * group for r in repeat]
+
+
+def test_continuation_queries_build_a_pack_that_generates(tmp_path):
+    model, tok, pack = _build("llama", reference="both", continue_tokens=20)
+    assert pack.metadata["method_params"]["reference"] == "both"
+    path = tmp_path / "c.kvpack"
+    kvpack.save(pack, path)
+    cache = kvpack.load(path, model, tokenizer=tok)
+    assert isinstance(kvpack.generate(model, tok, cache, "Who?", max_new_tokens=4), str)
+
+
+def test_on_policy_needs_the_repeat_reference():
+    with pytest.raises(InputError, match="on-policy"):
+        get_method("am", on_policy=True, reference="both")
 
 
 def test_merge_values_changes_values_only():

@@ -208,7 +208,10 @@ def test_python_dash_m_and_version():
     (["--method", "random", "--seed", "3", "--budget", "layer"], "method\\s+random \\(budget=layer, seed=3\\)"),
     (["--method", "none"], "method\\s+none$"),
     (["--method", "am", "--select", "rms", "--values", "copy", "--queries", "64", "--on-policy"],
-     "method\\s+am \\(.*on_policy=True, queries=64, scoring=attention, selection=rms, .*values=copy\\)"),
+     "method\\s+am \\(.*on_policy=True, queries=64, reference=repeat, scoring=attention, selection=rms, "
+     ".*values=copy\\)"),
+    (["--method", "am", "--reference", "both", "--queries", "64"],
+     "method\\s+am \\(.*queries=64, reference=both, .*values=fit\\)"),
 ])
 def test_build_with_method_options_and_info_shows_them(docs, models, tmp_path, args, params):
     out = tmp_path / "packs"

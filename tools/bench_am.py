@@ -81,6 +81,14 @@ def packs_for(model, tok, text: str, ratios: list[float], queries: int, budgets=
     full = prefill(model, prefix + layout.encode(tok, text), len(prefix), layout, spec, 2048)
     scorer = get_method("am", queries=queries)
     scores = scorer.score(model, tok, full)
+    scorers = {"repeat": scorer}  # one scoring pass per reference-query source the variants ask for
+    for name in variants:
+        ref = parse_method_spec(name)[1].get("reference", "repeat") if name != "kvzip" else "repeat"
+        if ref not in scorers:
+            scorers[ref] = get_method("am", queries=queries, reference=ref,
+                                      **{k: v for k, v in parse_method_spec(name)[1].items()
+                                         if k == "continue_tokens"})
+            scorers[ref].score(model, tok, full)
     out = {}
     for budget in budgets:
         for r in ratios:
@@ -89,8 +97,10 @@ def packs_for(model, tok, text: str, ratios: list[float], queries: int, budgets=
                 if name == "kvzip":
                     m = get_method("kvzip")
                 else:
-                    m = get_method("am", queries=queries, **parse_method_spec(name)[1])
-                    m._spec, m._reservoirs = scorer._spec, scorer._reservoirs
+                    params = parse_method_spec(name)[1]
+                    m = get_method("am", queries=queries, **params)
+                    source = scorers[params.get("reference", "repeat")]
+                    m._spec, m._reservoirs = source._spec, source._reservoirs
                 out[(name, budget, r)] = assemble_pack(model, tok, text, m, r, full, keep, "<bench>")
     return out
 

@@ -9,6 +9,7 @@ from typing import Callable, ClassVar
 
 import torch
 
+from ..errors import InputError
 from ..pack import LayerEntries
 from ..prefill import Prefill
 from .am_fit import SHIFTS, attention_output, fit_head, relative_error
@@ -16,11 +17,13 @@ from .base import check_bool, check_choice, check_int, top_k_rows
 from .d2o import D2O, merge_plan, merge_rows
 from .kvzip import KVzip
 
-__all__ = ["AttentionMatching", "QueryReservoir", "HELD_OUT", "SELECTIONS", "VALUE_MODES"]
+__all__ = ["AttentionMatching", "QueryReservoir", "HELD_OUT", "SELECTIONS", "VALUE_MODES", "REFERENCES"]
 
 #: Within-head selections (``selection``) and value modes (``values``).
 SELECTIONS = ("kvzip", "rms")
 VALUE_MODES = ("fit", "copy", "merge")
+#: Sources of the reference queries (``reference``): KVzip's repeat pass, sampled self-continuations, or both.
+REFERENCES = ("repeat", "continue", "both")
 #: Reference queries per KV head held out of the fit to measure it (at most; an eighth of a smaller pool).
 HELD_OUT = 256
 #: Seed of the deterministic query subsampling.
@@ -113,6 +116,10 @@ class AttentionMatching(KVzip):
         on_policy: recompute each layer's queries with the earlier layers compacted.
         held_out_check: keep KVzip's selection for a head whose fit does worse on held-out queries (default true).
         shift: the mass matching's per-query shift, ``"lse"`` (default) or ``"max"`` (``am_fit``'s docstring).
+        reference: where the reference queries come from: ``"repeat"`` (KVzip's repeat pass, default),
+            ``"continue"`` (``continue_tokens`` tokens the model samples after the context,
+            ``kvpack.methods.am_continue``) or ``"both"`` (one pool of the two).
+        continue_tokens: sampled tokens for ``"continue"`` and ``"both"`` (one decode step each), ``>= 1``.
     """
 
     name: ClassVar[str] = "am"
@@ -123,6 +130,8 @@ class AttentionMatching(KVzip):
     on_policy: bool = False
     held_out_check: bool = True
     shift: str = "lse"
+    reference: str = "repeat"
+    continue_tokens: int = 512
 
     def __post_init__(self):
         super().__post_init__()
@@ -132,6 +141,11 @@ class AttentionMatching(KVzip):
         check_bool(self.name, "on_policy", self.on_policy)
         check_bool(self.name, "held_out_check", self.held_out_check)
         check_choice(self.name, "shift", self.shift, SHIFTS)
+        check_choice(self.name, "reference", self.reference, REFERENCES)
+        check_int(self.name, "continue_tokens", self.continue_tokens, 1)
+        if self.on_policy and self.reference != "repeat":
+            raise InputError(f"am: --on-policy recomputes the repeat pass's queries and cannot be combined with "
+                             f"reference={self.reference!r}; use --reference repeat with it, or drop --on-policy")
         self._reservoirs: list[QueryReservoir] | None = None
 
     def _prepare_repeat_pass(self, cache, start: int) -> None:
@@ -146,7 +160,19 @@ class AttentionMatching(KVzip):
         self._reservoirs = [QueryReservoir(prefill.spec.num_kv_heads, self.queries)
                             for _ in prefill.spec.compressed_layers]
         self._model, self._tokenizer = model, tokenizer
-        return super().score(model, tokenizer, prefill, progress)
+        scores = super().score(model, tokenizer, prefill, progress)
+        if self.reference != "repeat":
+            from .am_continue import continuation_queries
+
+            sampled = continuation_queries(model, tokenizer, prefill, [
+                QueryReservoir(prefill.spec.num_kv_heads, self.queries) for _ in prefill.spec.compressed_layers],
+                self.continue_tokens, QUERY_SEED)
+            if self.reference == "continue":
+                self._reservoirs = sampled
+            else:  # both: one pool, subsampled to ``queries`` by ``QueryReservoir.split``
+                for mine, theirs in zip(self._reservoirs, sampled):
+                    mine.parts.extend(theirs.parts)
+        return scores
 
     def _reference(self, i: int, reservoirs: list[QueryReservoir] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, float]:

@@ -1,0 +1,60 @@
+"""Attention Matching's self-continuation reference queries: the queries of text the model itself samples after
+the context, over the whole prefilled cache. A self-study source in the spirit of arXiv 2602.16284 §4.1 (the paper
+has the model generate conversations about the context; here it simply continues the document), whose queries
+look like those of later tokens that continue the text, where the repeat pass's look like a reader's re-reading
+it (BENCHMARKS.md, "Attention Matching", compares both sources).
+
+Sequences of at most ``CONTINUE_LENGTH`` tokens are sampled at temperature 1 from a seeded generator, each
+starting with a line break after the context and ending early at the end-of-sequence token, until ``tokens``
+tokens in all have been fed. Costs one decode step per token over the full cache (on the reference model at 2K
+tokens, 512 tokens take longer than the repeat pass itself).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import use_kvpack_attention
+from ..prefill import Prefill
+
+__all__ = ["CONTINUE_LENGTH", "continuation_queries"]
+
+#: Tokens of one sampled continuation at most.
+CONTINUE_LENGTH = 256
+
+
+@torch.inference_mode()
+def continuation_queries(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, seed: int = 0) -> list:
+    """Feed ``tokens`` sampled tokens after the context and add each compressed layer's queries to its reservoir.
+
+    Args:
+        model: the causal LM whose ``prefill`` this is.
+        tokenizer: its tokenizer (the line break that starts each sequence; the end-of-sequence token).
+        prefill: the full prefill (``kvpack.prefill``); nothing in it is changed.
+        reservoirs: one ``QueryReservoir`` per compressed layer, in ``prefill.spec.compressed_layers`` order.
+        tokens: sampled tokens in all, ``>= 1``.
+        seed: seed of the sampling generator (the same tokens for the same prefill and seed).
+
+    Returns:
+        ``reservoirs``, filled. Raises nothing of its own.
+    """
+    use_kvpack_attention(model)
+    device = prefill.keys[0].device
+    cache = prefill.view_cache()
+    for i, l in enumerate(prefill.spec.compressed_layers):
+        cache.layers[l].queries = reservoirs[i]
+    generator = torch.Generator(device=device).manual_seed(seed)
+    start = tokenizer.encode("\n", add_special_tokens=False)[-1]
+    eos = tokenizer.eos_token_id
+    fed = 0
+    while fed < tokens:
+        cache.rewind()
+        x = torch.tensor([[start]], device=device)
+        for _ in range(min(CONTINUE_LENGTH, tokens - fed)):
+            logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[0, -1].float()
+            fed += 1
+            x = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).view(1, 1)
+            if eos is not None and int(x) == eos:
+                break
+    cache.rewind()
+    return reservoirs
