@@ -209,6 +209,13 @@ def test_continuation_queries_build_a_pack_that_generates(tmp_path):
     assert isinstance(kvpack.generate(model, tok, cache, "Who?", max_new_tokens=4), str)
 
 
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_continuation_queries_on_every_architecture(arch):
+    _, _, pack = _build(arch, reference="continue", continue_tokens=6)
+    fit = pack.metadata["stats"]["fit"]
+    assert fit["queries"] + fit["held_out"] > 0
+
+
 def test_on_policy_needs_the_repeat_reference():
     with pytest.raises(InputError, match="on-policy"):
         get_method("am", on_policy=True, reference="both")

@@ -5,7 +5,7 @@ look like those of later tokens that continue the text, where the repeat pass's 
 it (BENCHMARKS.md, "Attention Matching", compares both sources).
 
 Sequences of at most ``CONTINUE_LENGTH`` tokens are sampled at temperature 1 from a seeded generator, each
-starting with a line break after the context and ending early at the end-of-sequence token, until ``tokens``
+starting with a line break after the context (the context's last token for a tokenizer that has none) and ending early at the end-of-sequence token, until ``tokens``
 tokens in all have been fed. Costs one decode step per token over the full cache (on the reference model at 2K
 tokens, 512 tokens take longer than the repeat pass itself).
 """
@@ -44,7 +44,8 @@ def continuation_queries(model, tokenizer, prefill: Prefill, reservoirs: list, t
     for i, l in enumerate(prefill.spec.compressed_layers):
         cache.layers[l].queries = reservoirs[i]
     generator = torch.Generator(device=device).manual_seed(seed)
-    start = tokenizer.encode("\n", add_special_tokens=False)[-1]
+    newline = tokenizer.encode("\n", add_special_tokens=False)
+    start = newline[-1] if newline else int(prefill.token_ids[-1])  # a tokenizer without one: the last token
     eos = tokenizer.eos_token_id
     fed = 0
     while fed < tokens:
