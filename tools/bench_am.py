@@ -115,7 +115,8 @@ def main() -> None:
     ap.add_argument("--mq-length", type=int, default=1024)
     ap.add_argument("--mq-facts", type=int, default=4)
     ap.add_argument("--queries", type=int, default=4096)
-    ap.add_argument("--budgets", default="global", help="comma-separated splits over heads: global, head, floorF, largest-full")
+    ap.add_argument("--budgets", default="global",
+                    help="comma-separated splits over heads: global, head, floorF, largest-full")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated method specs (kvzip or am[...])")
     ap.add_argument("--out", default="runs/bench_am.json")
     args = ap.parse_args()

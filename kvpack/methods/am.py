@@ -84,6 +84,8 @@ class AttentionMatching(KVzip):
     scoring runs anyway, recorded as each layer sees them (after q-norm and RoPE), the query heads of a GQA group
     pooled per KV head and subsampled deterministically to ``queries`` per KV head (``QueryReservoir``), of which
     up to ``HELD_OUT`` are held out of the fit to measure it.
+    ``reference="continue"`` takes instead the queries of tokens the model samples after the context
+    (``kvpack.methods.am_continue``), ``"both"`` pools the two sources.
 
     Kept keys: KVzip's global top-k (non-uniform head budgets); within a head, KVzip's scores (``selection=
     "kvzip"``) or the highest RMS attention over the reference queries (``"rms"``, the paper's default score).
@@ -100,8 +102,9 @@ class AttentionMatching(KVzip):
 
     Two guards of kvpack's own (not in the paper, which fits with up to 50,000 queries per head): a head keeping
     more than ``1 / OVERDETERMINED`` of its fit queries' count is not fitted (least squares would interpolate
-    noise; nor is a head that keeps none or all of its context entries, where there is nothing to fit), and with ``held_out_check`` a head whose fit is worse on the held-out queries than KVzip's selection
-    alone keeps the selection (beta = 0, values copied). Either way the head is exactly KVzip's.
+    noise; nor is a head that keeps none or all of its context entries, where there is nothing to fit), and with
+    ``held_out_check`` a head whose fit is worse on the held-out queries than KVzip's selection alone keeps the
+    selection (beta = 0, values copied). Either way the head is exactly KVzip's.
 
     The pack's metadata gets ``stats["fit"]``: per compressed layer the mean relative error of the head outputs on
     the held-out queries (``relative_error``, the kept heads counted as kept), the same for KVzip's selection alone

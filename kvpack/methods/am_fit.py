@@ -31,9 +31,8 @@ import math
 
 import torch
 
-__all__ = ["BETA_RANGE", "NNLS_ITERS", "RIDGE", "RIDGE_STEPS", "SHIFTS", "nnls_box", "least_squares", "HeadFit", "fit_head",
-           "context_attention",
-           "attention_output", "relative_error"]
+__all__ = ["BETA_RANGE", "NNLS_ITERS", "RIDGE", "RIDGE_STEPS", "SHIFTS", "nnls_box", "least_squares", "HeadFit",
+           "fit_head", "context_attention", "attention_output", "relative_error"]
 
 #: Per-query shifts of the mass matching (``fit_head``'s ``shift``; module docstring).
 SHIFTS = ("lse", "max")
