@@ -6,8 +6,8 @@ it (BENCHMARKS.md, "Attention Matching", compares both sources).
 
 Sequences of at most ``CONTINUE_LENGTH`` tokens are sampled at temperature 1 from a seeded generator, each
 starting with a line break after the context (the context's last token for a tokenizer that has none) and ending
-early at the end-of-sequence token, until ``tokens`` tokens in all have been fed. Costs one decode step per token over the full cache (on the reference model at 2K
-tokens, 512 tokens take longer than the repeat pass itself).
+early at the end-of-sequence token, until ``tokens`` tokens in all have been fed. Costs one decode step per token
+over the full cache (on the reference model at 4K tokens, 512 tokens take 4.5 s against the repeat pass's 1.8 s).
 """
 
 from __future__ import annotations
