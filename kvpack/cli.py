@@ -186,7 +186,7 @@ def _method_params(method: str, given: dict) -> dict:
               show_default=True, help="zstd-compress each tensor at this level (0: off).")
 @click.option("--checksum", type=click.Choice(C.CHECKSUMS), default=C.DEFAULT_CHECKSUM, show_default=True,
               help="Tensor checksum: xxh3 (XXH3-128, fast to verify; detects damage, not tampering) or sha256 "
-                   "(cryptographic, about 25x slower to verify).")
+                   "(cryptographic, 6-8x slower to verify).")
 @click.option("--overwrite", is_flag=True, help="Rebuild packs that are already up to date (a pack built with other "
                                                 "settings is always rebuilt and replaced).")
 @click.option("--split", is_flag=True, help="Cut a context longer than the model allows at paragraph boundaries into "
@@ -212,7 +212,8 @@ def build(inputs, model_name, method, ratio, out_dir, device, dtype, chunk_size,
     """Compress each document in INPUT... into a .kvpack file; --out mirrors the input tree.
 
     INPUT is .txt/.md files (one document each: a/notes.txt -> OUT/a/notes.kvpack), .jsonl files (one document
-    per line, {"id": ..., "text": ...}: data.jsonl -> OUT/data/<id>.kvpack) or folders of them, walked recursively.
+    per line, {"id": ..., "text": ...}: data.jsonl -> OUT/data/<id>.kvpack), .parquet files (one per row, "text"
+    and optional "id" columns; needs pyarrow) or folders of them, walked recursively.
     Packs already up to date (same text, method, parameters, ratio, quantization, zstd level, checksum and model)
     are kept; OUT/kvpack-manifest.jsonl records every pack. A document that cannot be built (empty, binary, not
     UTF-8, too long) is reported and the others are built; the exit status is then 1 (130 when interrupted).

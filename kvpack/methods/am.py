@@ -147,8 +147,9 @@ class AttentionMatching(KVzip):
         check_choice(self.name, "reference", self.reference, REFERENCES)
         check_int(self.name, "continue_tokens", self.continue_tokens, 1)
         if self.on_policy and self.reference != "repeat":
-            raise InputError(f"am: --on-policy recomputes the repeat pass's queries and cannot be combined with "
-                             f"reference={self.reference!r}; use --reference repeat with it, or drop --on-policy")
+            raise InputError(f"am: --on-policy (on_policy) recomputes the repeat pass's queries and cannot be combined "
+                             f"with --reference {self.reference} (reference={self.reference!r}); use --reference "
+                             "repeat with it, or drop --on-policy")
         self._reservoirs: list[QueryReservoir] | None = None
 
     def _prepare_repeat_pass(self, cache, start: int) -> None:
