@@ -51,17 +51,17 @@ VARIANTS = ("kvzip", "am", "am[values=copy]", "am[values=merge]")  # method spec
 
 def split_budget(scorer, scores: torch.Tensor, ratio: float, full, budget: str) -> torch.Tensor:
     """Keep mask ``[layers, kv_heads, tokens]`` with ``round(ratio x entries)`` entries split over heads as
-    ``budget`` says (module docstring): ``global``, ``head`` or ``floorF``."""
+    ``budget`` says (module docstring): ``global``, ``head`` or ``floorF``; ``largest-full`` keeps more (a
+    diagnostic)."""
     layers, heads, n = scores.shape
     total = int(round(ratio * scores.numel()))
-    flat = scores.detach().float().reshape(layers * heads, n)
     if budget == "global":
         return scorer.select(scores, ratio, full)
     if budget == "largest-full":
         keep = scorer.select(scores, ratio, full).clone()
-        largest = int(keep.sum(dim=2).flatten().argmax())
-        keep.view(layers * heads, n)[largest] = True
+        keep.view(layers * heads, n)[int(keep.sum(dim=2).flatten().argmax())] = True
         return keep
+    flat = scores.detach().float().reshape(layers * heads, n)
     if budget == "head":
         return top_k_rows(flat, split_evenly(total, layers * heads)).view(scores.shape)
     if not budget.startswith("floor"):
@@ -81,13 +81,13 @@ def packs_for(model, tok, text: str, ratios: list[float], queries: int, budgets=
     full = prefill(model, prefix + layout.encode(tok, text), len(prefix), layout, spec, 2048)
     scorer = get_method("am", queries=queries)
     scores = scorer.score(model, tok, full)
+    params = {name: parse_method_spec(name)[1] for name in variants if name != "kvzip"}
     scorers = {"repeat": scorer}  # one scoring pass per reference-query source the variants ask for
-    for name in variants:
-        ref = parse_method_spec(name)[1].get("reference", "repeat") if name != "kvzip" else "repeat"
+    for p in params.values():
+        ref = p.get("reference", "repeat")
         if ref not in scorers:
             scorers[ref] = get_method("am", queries=queries, reference=ref,
-                                      **{k: v for k, v in parse_method_spec(name)[1].items()
-                                         if k == "continue_tokens"})
+                                      **{k: v for k, v in p.items() if k == "continue_tokens"})
             scorers[ref].score(model, tok, full)
     out = {}
     for budget in budgets:
@@ -97,9 +97,8 @@ def packs_for(model, tok, text: str, ratios: list[float], queries: int, budgets=
                 if name == "kvzip":
                     m = get_method("kvzip")
                 else:
-                    params = parse_method_spec(name)[1]
-                    m = get_method("am", queries=queries, **params)
-                    source = scorers[params.get("reference", "repeat")]
+                    m = get_method("am", queries=queries, **params[name])
+                    source = scorers[params[name].get("reference", "repeat")]
                     m._spec, m._reservoirs = source._spec, source._reservoirs
                 out[(name, budget, r)] = assemble_pack(model, tok, text, m, r, full, keep, "<bench>")
     return out

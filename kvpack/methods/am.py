@@ -161,22 +161,24 @@ class AttentionMatching(KVzip):
     def score(self, model, tokenizer, prefill: Prefill, progress: Callable[[int], None] | None = None
               ) -> torch.Tensor:
         self._spec = prefill.spec
-        self._reservoirs = [QueryReservoir(prefill.spec.num_kv_heads, self.queries)
-                            for _ in prefill.spec.compressed_layers]
+        self._reservoirs = self._new_reservoirs(prefill)
         self._model, self._tokenizer = model, tokenizer
         scores = super().score(model, tokenizer, prefill, progress)
         if self.reference != "repeat":
             from .am_continue import continuation_queries
 
-            sampled = continuation_queries(model, tokenizer, prefill, [
-                QueryReservoir(prefill.spec.num_kv_heads, self.queries) for _ in prefill.spec.compressed_layers],
-                self.continue_tokens, QUERY_SEED)
+            sampled = continuation_queries(model, tokenizer, prefill, self._new_reservoirs(prefill),
+                                           self.continue_tokens, QUERY_SEED)
             if self.reference == "continue":
                 self._reservoirs = sampled
             else:  # both: one pool, subsampled to ``queries`` by ``QueryReservoir.split``
                 for mine, theirs in zip(self._reservoirs, sampled):
                     mine.parts.extend(theirs.parts)
         return scores
+
+    def _new_reservoirs(self, prefill: Prefill) -> list[QueryReservoir]:
+        """One empty ``QueryReservoir`` per compressed layer, capped at ``queries`` per KV head."""
+        return [QueryReservoir(prefill.spec.num_kv_heads, self.queries) for _ in prefill.spec.compressed_layers]
 
     def _reference(self, i: int, reservoirs: list[QueryReservoir] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, float]:

@@ -177,14 +177,17 @@ def fit_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, ke
 
 def context_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(softmax(scaling Q K^T) V, logsumexp(scaling Q K^T))``: ``[n, dv]`` and ``[n]`` float32, unmasked. On CPU one
-    fused flash-attention call (no ``[n, T]`` matrix) when keys and values have the same width, else the explicit
-    product."""
+    """``(softmax(scaling Q K^T) V, logsumexp(scaling Q K^T))``: ``[n, dv]`` and ``[n]`` float32, unmasked, for
+    ``queries`` ``[n, d]``, ``keys`` ``[T, d]``, ``values`` ``[T, dv]``: the target and shift of the mass matching
+    (arXiv 2602.16284 §3.1-3.2, module docstring). On CPU one fused flash-attention call
+    (``kvpack.attention._flash_folded``; no ``[n, T]`` matrix) when keys and values have the same width, else the
+    explicit product. Raises nothing beyond torch's errors for mismatched shapes."""
     q, k, v = queries.float(), keys.float(), values.float()
     if q.device.type == "cpu" and k.shape[-1] == v.shape[-1]:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q[None, None], k[None, None],
-                                                                             v[None, None], scale=scaling)
-        return out[0, 0], lse[0, 0].float()
+        from ..attention import _flash_folded
+
+        out, lse = _flash_folded(q[None, None], k[None, None], v[None, None], scaling)
+        return out[0, 0], lse[0, 0]
     logits = (q @ k.T) * scaling
     lse = logits.logsumexp(dim=-1)
     return (logits - lse[:, None]).exp_() @ v, lse
