@@ -272,24 +272,42 @@ class KvpackCache(Cache):
 
     @classmethod
     def from_pack(cls, pack: Pack, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                  sliding_layers: tuple[int, ...] = ()) -> "KvpackCache":
+                  sliding_layers: tuple[int, ...] = (), dequantize: str = "at-load") -> "KvpackCache":
         """Lay a ``Pack`` out as per-layer packed tensors on ``device`` (cast to ``dtype`` if given).
 
-        A quantized layer is dequantized once here (on CPU, ``kvpack.quant``: ``code x scale + min`` in float32,
-        then ``dtype``), so the cache holds ordinary full-precision rows, packed per head like the pack's own (no
-        padding). Without ``dtype`` each layer keeps the dtype of its keys (its values are cast to it). Biases
-        (``LayerEntries.biases``) stay float32.
+        ``dequantize="at-load"`` (default): a quantized layer is dequantized once here (on CPU, ``kvpack.quant``:
+        ``code x scale + min`` in float32, then ``dtype``), so the cache holds ordinary full-precision rows, packed
+        per head like the pack's own (no padding). ``dequantize="on-the-fly"``: a quantized layer keeps its codes as
+        stored (``kvpack.compact_cache.CompactLayer``, 3.3x fewer bytes than bf16 rows at int4), and attention
+        dequantizes them as it reads them (the Triton kernel on CUDA; elsewhere a per-call dequantization, slow).
+        Unquantized layers are the same either way. Without ``dtype`` each layer keeps the dtype of its keys (its
+        values are cast to it). Biases (``LayerEntries.biases``) stay float32.
 
-        Raises ``InputError`` if the pack has no layers, or if a layer's tensors do not have the rows its head
-        lengths (and, quantized, its sink and body lengths) call for.
+        Raises ``InputError`` if the pack has no layers, if a layer's tensors do not have the rows its head
+        lengths (and, quantized, its sink and body lengths) call for, if ``dequantize`` is neither of
+        ``compact_cache.DEQUANTIZE``, or if ``"on-the-fly"`` is asked on CUDA where the kernel cannot read a layer
+        (no triton, or a group size / value width it does not take).
         """
+        from .compact_cache import DEQUANTIZE, CompactLayer, check_on_the_fly
+
         if not pack.layers:
             raise InputError("the pack has no layers")
+        if dequantize not in DEQUANTIZE:
+            raise InputError(f"dequantize must be one of {', '.join(DEQUANTIZE)}, got {dequantize!r}")
         n = pack.original_tokens
-        layers = [PackedLayer(keys, values, positions, entries.head_lengths, n, sliding=idx in sliding_layers,
-                              biases=biases)
-                  for idx, (entries, (keys, values, positions, biases))
-                  in enumerate(zip(pack.layers, _laid_out(pack.layers, dtype, device)))]
+        on_the_fly = [dequantize == "on-the-fly" and e.quant is not None and e.quant.layout == "compact"
+                      for e in pack.layers]
+        laid = iter(_laid_out([e for e, fly in zip(pack.layers, on_the_fly) if not fly], dtype, device))
+        layers: list[PackedLayer] = []
+        for idx, (entries, fly) in enumerate(zip(pack.layers, on_the_fly)):
+            if fly:
+                check_on_the_fly(entries, device, idx)
+                layers.append(CompactLayer(entries, n, dtype or entries.keys.dtype, device,
+                                           sliding=idx in sliding_layers))
+                continue
+            keys, values, positions, biases = next(laid)
+            layers.append(PackedLayer(keys, values, positions, entries.head_lengths, n,
+                                      sliding=idx in sliding_layers, biases=biases))
         return cls(layers, pack.token_ids.long().cpu(), dict(pack.metadata))
 
 

@@ -31,6 +31,7 @@ from .fileformat import load_pack, read_header
 from .generation import answer
 from .listing import describe_pack, info_text, list_packs, verify_report
 from .listing import table as _table
+from .compact_cache import DEQUANTIZE
 from .loading import cache_from_pack
 from .methods import METHODS
 from .methods.base import SCOPES
@@ -438,10 +439,14 @@ def ls(folder, as_json, storage_option):
 @click.option("--seed", type=int, default=None, help="Seed for sampling (with --temperature).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per answer (JSON lines) with tokens, seconds, tokens/s and load time.")
+@click.option("--dequantize", type=click.Choice(DEQUANTIZE), default="at-load", show_default=True,
+              help="For a --quant pack: dequantize its rows once at load, or keep the codes in memory (3.3x less "
+                   "than bf16 rows at int4) and read them in the CUDA decode kernel (on CPU: slow, every step "
+                   "dequantizes).")
 @_threads_option
 @_model_options
 @_storage_options
-def ask(file, questions, model_name, max_new_tokens, temperature, seed, as_json, threads, device, dtype,
+def ask(file, questions, model_name, max_new_tokens, temperature, seed, as_json, dequantize, threads, device, dtype,
         storage_option):
     """Answer each QUESTION about the document compressed in FILE, from one load, printing each as answered.
 
@@ -452,7 +457,7 @@ def ask(file, questions, model_name, max_new_tokens, temperature, seed, as_json,
     name = model_name if model_name is not None else model_for_pack(pack.metadata, where=str(file))
     _set_threads(threads)
     model, tokenizer = _load(name, device, dtype)
-    cache = cache_from_pack(pack, model, tokenizer, where=str(file))
+    cache = cache_from_pack(pack, model, tokenizer, where=str(file), dequantize=dequantize)
     load_seconds = time.perf_counter() - t0
     several = len(questions) > 1 or "-" in questions
     for question in _questions(questions):

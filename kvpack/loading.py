@@ -18,12 +18,14 @@ from .pack import Pack
 __all__ = ["load", "cache_from_pack", "check_shapes"]
 
 
-def cache_from_pack(pack: Pack, model, tokenizer=None, *, device=None, where: str = "the pack") -> KvpackCache:
+def cache_from_pack(pack: Pack, model, tokenizer=None, *, device=None, where: str = "the pack",
+                    dequantize: str = "at-load") -> KvpackCache:
     """Check ``pack`` against ``model`` (and ``tokenizer`` if given) and build its ``KvpackCache``.
 
     First the shapes (``check_shapes``: layers, KV heads, head sizes, a float KV dtype), then the fingerprint. The KV
     is cast to the model's dtype and placed on ``device`` (default: the model's device); the model is switched to
-    the ``"kvpack"`` attention. Raises ``ModelMismatchError`` naming both sides on any mismatch.
+    the ``"kvpack"`` attention. ``dequantize``: as ``KvpackCache.from_pack``'s (``"at-load"`` or ``"on-the-fly"``).
+    Raises ``ModelMismatchError`` naming both sides on any mismatch, ``InputError`` for a bad ``dequantize``.
     """
     check_shapes(pack, model_spec(model), model.dtype, where)
     current = _cached_fingerprint(model, tokenizer)  # read only
@@ -36,7 +38,8 @@ def cache_from_pack(pack: Pack, model, tokenizer=None, *, device=None, where: st
     _guard_generate(model)
     dev = torch.device(device) if device is not None else next(model.parameters()).device
     spec = model_spec(model)
-    return KvpackCache.from_pack(pack, device=dev, dtype=model.dtype, sliding_layers=spec.sliding_layers)
+    return KvpackCache.from_pack(pack, device=dev, dtype=model.dtype, sliding_layers=spec.sliding_layers,
+                                 dequantize=dequantize)
 
 
 def check_shapes(pack: Pack, spec: ModelSpec, dtype: torch.dtype, where: str = "the pack") -> None:
@@ -66,7 +69,7 @@ def check_shapes(pack: Pack, spec: ModelSpec, dtype: torch.dtype, where: str = "
 
 
 def load(path: str | os.PathLike, model, *, device=None, tokenizer=None,
-         storage_options: dict | None = None) -> KvpackCache:
+         storage_options: dict | None = None, dequantize: str = "at-load") -> KvpackCache:
     """Load a ``.kvpack`` file into a cache for ``model``, ready for ``kvpack.generate`` or ``model.generate``.
 
     Args:
@@ -76,6 +79,10 @@ def load(path: str | os.PathLike, model, *, device=None, tokenizer=None,
         device: where to place the cache (default: the model's device).
         tokenizer: if given, its hash is checked too.
         storage_options: passed to fsspec for a URL (e.g. ``{"endpoint_url": ..., "anon": True}``).
+        dequantize: for a quantized pack (``kvpack build --quant``), ``"at-load"`` (default: the cache holds
+            dequantized rows in the model's dtype) or ``"on-the-fly"`` (it keeps the codes as stored, about a
+            third of the memory at int4, and decodes through the Triton kernel that reads them on CUDA; on CPU
+            every attention call dequantizes, slowly): ``kvpack.compact_cache``.
 
     Returns:
         A ``KvpackCache`` (a ``transformers.Cache``); see its docstring for use with ``model.generate``.
@@ -84,9 +91,11 @@ def load(path: str | os.PathLike, model, *, device=None, tokenizer=None,
         InputError: the file cannot be read (missing, no permission, missing fsspec backend).
         PackFormatError subclasses: truncated, corrupt, foreign or newer-version files (nothing is half-loaded).
         ModelMismatchError: the file was built for another model, or its shapes do not fit this one (naming both).
+        InputError: ``dequantize`` is neither value, or ``"on-the-fly"`` on CUDA without triton (or for a layout
+            the kernel does not take).
     """
     pack = load_pack(path, storage_options=storage_options)
-    return cache_from_pack(pack, model, tokenizer, device=device, where=str(path))
+    return cache_from_pack(pack, model, tokenizer, device=device, where=str(path), dequantize=dequantize)
 
 
 def _guard_generate(model) -> None:

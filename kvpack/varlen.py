@@ -19,6 +19,9 @@ No row is copied and nothing is padded:
   one over the queries' own keys; the parts are merged through their log-sum-exps. On CPU this beats masked SDPA
   over padded heads, plain per-head products, nested-jagged SDPA and compiled flex_attention (BENCHMARKS.md,
   "Packed cache").
+* a layer that keeps its quantized codes (``kvpack.compact_cache.CompactLayer``, ``dequantize="on-the-fly"``):
+  ``kernels.compact_decode_triton`` once per query token where Triton runs and there is no window, else the
+  layer dequantized for this call and one of the paths here.
 * otherwise (a sliding window, or question prefill on a GPU): per KV head, one product of the group's queries
   with the head's rows, the head's slice of the tail's logits (one batched product for all heads), one softmax
   over both, and two products with the values, in float32 (other dtypes are upcast per head).
@@ -58,6 +61,12 @@ def packed_attention(query: torch.Tensor, layer, scaling: float, window: int | N
     Returns:
         ``[1, q, heads, head_dim_v]`` in the query's dtype (the layout transformers expects).
     """
+    if getattr(layer, "compact", None) is not None:  # kvpack.compact_cache.CompactLayer: codes as stored
+        from .compact_cache import kernel_runs_on
+
+        if window is None and kernel_runs_on(query.device):
+            return layer.compact_attention(query, scaling)
+        layer = layer.materialized()
     if use_triton_for(query, window):
         return triton_decode(query, layer, scaling)
     if query.device.type == "cpu" and window is None:

@@ -273,6 +273,9 @@ def test_build_quantized_packs_and_info_shows_quantization_and_errors(models, tm
     res = _run(["ask", str(out / "alpha.kvpack"), "What is the secret code of Alice?", "--model", models["llama"],
                 "--device", "cpu", "--max-new-tokens", "4"])
     assert res.stdout.endswith("\n")
+    fly = _run(["ask", str(out / "alpha.kvpack"), "What is the secret code of Alice?", "--model", models["llama"],
+                "--device", "cpu", "--max-new-tokens", "4", "--dequantize", "on-the-fly"])
+    assert fly.stdout == res.stdout  # the codes kept in memory answer as the dequantized rows do
     # SHA-256 checksums: the same compact layout; another checksum rebuilds
     assert _status(_run(base + ["--quant", "int4", "--checksum", "sha256"])) == {"alpha": "replaced"}
     info = _run(["info", str(out / "alpha.kvpack")]).stdout

@@ -409,3 +409,65 @@ def test_zstd_files_load_alike_from_several_threads():
     with ThreadPoolExecutor(4) as pool:
         for pack in pool.map(lambda _: load_pack(data), range(16)):
             assert_packs_equal(pack, want)
+
+
+# --- dequantize="on-the-fly": the loaded cache keeps the codes (kvpack.compact_cache) -----------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_on_the_fly_cache_answers_as_the_at_load_cache_and_holds_fewer_bytes(arch, tmp_path, monkeypatch):
+    """Without the kernel (plain CPU) a ``CompactLayer`` dequantizes per call with the loader's own code, so a
+    question's logits equal the at-load cache's exactly; its tensors are the compact codes, counted byte by byte."""
+    from kvpack.compact_cache import CompactLayer
+    from kvpack.generation import question_input_ids
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # tests/test_kernels.py sets it for the interpreter
+    model, tok = tiny_model(arch, dtype=torch.bfloat16 if arch == "qwen3" else torch.float32)
+    pack = kvpack.compress(model, tok, TEXT * 3, ratio=0.4, chunk_size=64, quant="int4")
+    path = tmp_path / "ctx.kvpack"
+    kvpack.save(pack, path)
+    at_load = kvpack.load(path, model)
+    on_the_fly = kvpack.load(path, model, dequantize="on-the-fly")
+    quantized = [i for i, e in enumerate(load_pack(path).layers) if e.quant is not None]
+    assert quantized and all(isinstance(on_the_fly.layers[i], CompactLayer) for i in quantized)
+    assert on_the_fly.kept_entries().tolist() == at_load.kept_entries().tolist()
+    for i in quantized:
+        layer = on_the_fly.layers[i]
+        parts = [t for t in layer.compact.values() if torch.is_tensor(t)]
+        assert layer.nbytes() == sum(t.numel() * t.element_size() for t in
+                                     parts + [layer.kept_positions, layer.offsets, layer.keys, layer.values])
+        assert layer.compact["key_codes"].dtype == torch.uint8 and layer.kept_keys is None
+    assert on_the_fly.nbytes() < at_load.nbytes() / 1.5
+    ids = question_input_ids(tok, at_load, "What is the secret code of Alice?")
+    n = at_load.original_length
+    logits = []
+    for cache in (at_load, on_the_fly):
+        with torch.no_grad():
+            logits.append(model(ids[:, n:], past_key_values=cache,
+                                position_ids=torch.arange(n, ids.shape[1])[None]).logits)
+    assert torch.equal(logits[0], logits[1])
+    answers = [kvpack.generate(model, tok, c, "What is the secret code of Alice?", max_new_tokens=4)
+               for c in (at_load, on_the_fly)]
+    assert answers[0] == answers[1]
+
+
+def test_on_the_fly_is_refused_where_the_kernel_cannot_read_the_layer(monkeypatch):
+    """On CUDA a layer the kernel cannot read (no triton, a group size or value width it does not take) is an
+    ``InputError`` at load naming ``dequantize='at-load'``, not a failure in the middle of ``generate``; on CPU
+    every layer is accepted. A bad ``dequantize`` value is refused."""
+    import kernels
+    from kvpack.cache import KvpackCache
+    from kvpack.compact_cache import check_on_the_fly, compact_layout_problem
+
+    entries = quantize_layer(_layer([40, 3, 21], seed=0), 2, "int4", 16, None)
+    assert compact_layout_problem(entries) is None
+    odd = quantize_layer(_layer([40, 3, 21], seed=0), 2, "int4", 24, None)
+    assert "group size 24" in compact_layout_problem(odd)
+    check_on_the_fly(odd, torch.device("cpu"), 0)  # CPU: dequantized per call, any layout
+    with pytest.raises(InputError, match="layer 3 .*group size 24.*dequantize='at-load'"):
+        check_on_the_fly(odd, torch.device("cuda"), 3)
+    monkeypatch.setattr(kernels, "HAS_TRITON", False)
+    with pytest.raises(InputError, match="triton is not installed"):
+        check_on_the_fly(entries, torch.device("cuda"), 0)
+    with pytest.raises(InputError, match="dequantize must be one of at-load, on-the-fly"):
+        KvpackCache.from_pack(Pack(torch.arange(64), [entries], 2, {}), dequantize="lazy")

@@ -360,3 +360,40 @@ def test_compact_scale_multipliers_are_the_formats():
     from kvpack.compact import scale_table
 
     assert torch.equal(scale_multipliers("cpu"), scale_table(torch.ones(1))[0])
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("biased", [True, False])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_on_the_fly_cache_layer_decodes_through_the_compact_kernel(dtype, biased, q_len, monkeypatch):
+    """A ``CompactLayer`` (``dequantize="on-the-fly"``) where the kernel runs: ``packed_attention`` reads the codes
+    through ``kernels.compact_decode_triton`` (one call per query token, causal over the tail) and equals the
+    at-load layer's CPU path over the dequantized rows, for one decode token and a 3-token question alike."""
+    from kvpack.cache import KvpackCache
+    from kvpack.compact_cache import CompactLayer
+    from kvpack.pack import Pack
+    from kvpack.varlen import _packed_attention_torch, packed_attention
+
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    d, hkv, g = 32, 5, 3
+    entries = _compact_layer("int4", d, 16, 11, biased)
+    pack = Pack(torch.arange(80), [entries], 3, {})
+    at_load = KvpackCache.from_pack(pack, dtype=dtype, device=DEVICE).layers[0]
+    fly = KvpackCache.from_pack(pack, dtype=dtype, device=DEVICE, dequantize="on-the-fly").layers[0]
+    assert isinstance(fly, CompactLayer)
+    calls = []
+    real = kernels.compact_decode_triton
+    monkeypatch.setattr(kernels, "compact_decode_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    gen = torch.Generator().manual_seed(12)
+    for layer_ in (at_load, fly):
+        gen.manual_seed(12)
+        layer_.update(torch.randn(1, hkv, 4, d, generator=gen).to(dtype).to(DEVICE),
+                      torch.randn(1, hkv, 4, d, generator=gen).to(dtype).to(DEVICE))
+    query = (torch.randn(1, hkv * g, q_len, d, generator=gen) * 2).to(dtype).to(DEVICE)
+    out = packed_attention(query, fly, d ** -0.5)
+    assert len(calls) == q_len
+    expected = _packed_attention_torch(query, at_load, d ** -0.5, None)
+    assert out.shape == expected.shape == (1, q_len, hkv * g, d)
+    assert_close_report(out.reshape(-1, d), expected.reshape(-1, d), *TOLERANCES[dtype], what=f"on the fly {dtype}")

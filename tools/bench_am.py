@@ -4,7 +4,8 @@ multi-query accuracy at several keep ratios, with the ``--values`` ablation).
 AM's selection is KVzip's global top-k and its scores are KVzip's (``tests/test_am.py`` checks that
 ``values="copy"`` holds exactly KVzip's entries), so one ``AttentionMatching.score`` (KVzip's repeat pass, which
 also records the reference queries) serves KVzip and every AM variant; each pack is then what
-``kvpack.compress`` returns for it. Packs are laid out with ``KvpackCache.from_pack`` (no file round trip, which
+``kvpack.compress`` returns for it (a variant with ``selection=rms`` keeps each head's count and re-chooses its
+entries by RMS attention over its reference queries, as ``AttentionMatching.select`` does). Packs are laid out with ``KvpackCache.from_pack`` (no file round trip, which
 ``tests/test_am.py`` covers) to save time on a loaded machine. Contexts and targets are the bench's own
 (``kvpack.bench.continuation``, ``kvpack.bench.multiquery``, same seeds).
 
@@ -100,7 +101,8 @@ def packs_for(model, tok, text: str, ratios: list[float], queries: int, budgets=
                     m = get_method("am", queries=queries, **params[name])
                     source = scorers[params[name].get("reference", "repeat")]
                     m._spec, m._reservoirs = source._spec, source._reservoirs
-                out[(name, budget, r)] = assemble_pack(model, tok, text, m, r, full, keep, "<bench>")
+                keep_m = keep if name == "kvzip" or m.selection == "kvzip" else m.reselect_within_heads(keep, full)
+                out[(name, budget, r)] = assemble_pack(model, tok, text, m, r, full, keep_m, "<bench>")
     return out
 
 

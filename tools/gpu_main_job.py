@@ -9,7 +9,11 @@ the full cache's. Written as one Markdown table (``--out``), also printed.
   process's peak resident set (``ru_maxrss``, which includes the model and never goes down);
 * load: ``kvpack.save`` (``--zstd-level``), then ``kvpack.load`` onto the model's device; GB/s = file bytes /
   load seconds, beside reading the same file's bytes into memory (``raw read``);
-* decode: median of ``--steps`` interleaved single-token forwards over the loaded cache and over the full cache.
+* decode: median of ``--steps`` interleaved single-token forwards over the loaded cache and over the full cache;
+* ``--quant-method M`` (default kvzip): M is also built with ``quant="int4"`` and its file loaded twice, with the
+  int4 rows dequantized once at load and kept as codes, dequantized on the fly by the decode kernel
+  (``kvpack.load(..., dequantize=...)``, ``kvpack.compact_cache``): rows ``M int4 at-load`` / ``M int4 on-the-fly``;
+  ``cache MB`` is the loaded cache's own tensors (``KvpackCache.nbytes``).
 
 Builds and loads are timed once each after one untimed prefill (``--repeats`` rounds, medians). Used by
 ``tools/gpu_check.sh`` (8B shape, bf16, 32K tokens on an H200; ``--dry-run``: the reference model on CPU).
@@ -71,6 +75,8 @@ def main(argv=None) -> str:
     ap.add_argument("--zstd-level", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--steps", type=int, default=20, help="decode steps timed per cache")
+    ap.add_argument("--quant-method", default="kvzip",
+                    help="also build this method with int4 and load it both ways (at-load, on-the-fly); '' for none")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="build no further method once this many seconds have passed (the table keeps the done ones)")
@@ -82,30 +88,42 @@ def main(argv=None) -> str:
     text, ids = needle_context_ids(tok, args.tokens, dev)
     n = int(ids.shape[1])
     methods = [m for m in args.methods.split(",") if m]
+    # row label -> (method, quant, how the int4 rows are dequantized); an int4 build is loaded both ways
+    builds = [(m, "none") for m in methods]
+    if args.quant_method:  # second, so that a --budget-s cut still leaves the at-load / on-the-fly comparison
+        builds.insert(1, (args.quant_method, "int4"))
+    labels = {(m, q): [m] if q == "none" else [f"{m} {q} {how}" for how in ("at-load", "on-the-fly")]
+              for m, q in builds}
     plain_prefill(model, ids)  # warm-up
-    prefill_s, rows = [], {m: {"build": [], "load": [], "raw": []} for m in methods}
+    prefill_s = []
+    rows = {label: {"build": [], "load": [], "raw": []} for ls in labels.values() for label in ls}
     caches = {}
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=os.environ.get("KVPACK_TMP")) as folder:
         for _ in range(args.repeats):
             prefill_s.append(timed(lambda: plain_prefill(model, ids))[0])
-            for m in methods:
+            for m, quant in builds:
                 if args.budget_s is not None and time.perf_counter() - t_start > args.budget_s:
-                    print(f"# budget of {args.budget_s} s spent: {m} not built", flush=True)
+                    print(f"# budget of {args.budget_s} s spent: {m} (quant {quant}) not built", flush=True)
                     continue
-                r = rows[m]
                 before = _peak_reset(dev)
                 t, pack = timed(lambda: kvpack.compress(model, tok, text, method=m, chunk_size=args.chunk_size,
-                                                        ratio=1.0 if m == "none" else args.ratio))
-                r["build"].append(t)
-                r["peak_mib"] = _peak_mib(dev, before)
+                                                        ratio=1.0 if m == "none" else args.ratio, quant=quant))
+                peak = _peak_mib(dev, before)
                 path = os.path.join(folder, f"{m}.kvpack")
-                r["bytes"] = kvpack.save(pack, path, zstd_level=args.zstd_level)
+                size = kvpack.save(pack, path, zstd_level=args.zstd_level)
                 del pack
-                r["raw"].append(_raw_read_s(path))
-                caches.pop(m, None)
-                t, caches[m] = timed(lambda: kvpack.load(path, model, tokenizer=tok))
-                r["load"].append(t)
+                raw = _raw_read_s(path)
+                for label in labels[(m, quant)]:
+                    r = rows[label]
+                    r["build"].append(t)
+                    r["peak_mib"], r["bytes"] = peak, size
+                    r["raw"].append(raw)
+                    caches.pop(label, None)
+                    how = "on-the-fly" if label.endswith("on-the-fly") else "at-load"
+                    lt, caches[label] = timed(lambda: kvpack.load(path, model, tokenizer=tok, dequantize=how))
+                    r["load"].append(lt)
+                    r["cache_mb"] = caches[label].nbytes() / 1e6
                 os.remove(path)
     full = plain_prefill(model, ids)
     token = ids[:, -1:]
@@ -138,15 +156,15 @@ def main(argv=None) -> str:
              f"plain prefill {pre:.3f} s; full-cache decode step {step['full'] * 1e3:.2f} ms; medians of "
              f"{args.repeats} builds/loads and {args.steps} interleaved decode steps", "",
              f"| method | build s | build / prefill | peak MiB ({peak_what}) | file MB | load s | load GB/s | "
-             "raw read GB/s | decode step ms | decode / full |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for m in [m for m in methods if rows[m]["build"]]:
+             "raw read GB/s | cache MB | decode step ms | decode / full |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for m in [m for m in rows if rows[m]["build"]]:
         r = rows[m]
         b, lo, raw = (statistics.median(r[k]) for k in ("build", "load", "raw"))
         lines.append(f"| {m} | {b:.3f} | {b / pre:.2f}x | {r['peak_mib']:.0f} | {r['bytes'] / 1e6:.1f} | {lo:.3f} | "
-                     f"{r['bytes'] / lo / 1e9:.2f} | {r['bytes'] / raw / 1e9:.2f} | {step[m] * 1e3:.2f} | "
-                     f"{step[m] / step['full']:.2f}x |")
-    skipped = [m for m in methods if not rows[m]["build"]]
+                     f"{r['bytes'] / lo / 1e9:.2f} | {r['bytes'] / raw / 1e9:.2f} | {r['cache_mb']:.1f} | "
+                     f"{step[m] * 1e3:.2f} | {step[m] / step['full']:.2f}x |")
+    skipped = [m for m in rows if not rows[m]["build"]]
     if skipped:
         lines += ["", f"Not built (--budget-s {args.budget_s} spent): {', '.join(skipped)}"]
     table = "\n".join(lines)

@@ -192,8 +192,12 @@ class AttentionMatching(KVzip):
 
     def select(self, scores: torch.Tensor, ratio: float, prefill: Prefill | None = None) -> torch.Tensor:
         keep = super().select(scores, ratio, prefill)
-        if self.selection == "kvzip":
-            return keep
+        return keep if self.selection == "kvzip" else self.reselect_within_heads(keep, prefill)
+
+    def reselect_within_heads(self, keep: torch.Tensor, prefill: Prefill) -> torch.Tensor:
+        """``keep`` ``[layers, kv_heads, context]`` bool with each head's count unchanged and its entries re-chosen
+        by the highest RMS attention over the reference queries (``selection="rms"``, the paper's
+        ``score_method="rms"``). Needs ``score()`` first (the recorded queries)."""
         rms = torch.stack([self._rms_scores(prefill, i) for i in range(keep.shape[0])])
         layers, heads, n = keep.shape
         return top_k_rows(rms.reshape(layers * heads, n), keep.sum(dim=2).reshape(-1)).view(keep.shape)

@@ -1,0 +1,158 @@
+"""A loaded cache layer that keeps a quantized pack's codes as stored and dequantizes them on the fly.
+
+``KvpackCache.from_pack(..., dequantize="on-the-fly")`` (``kvpack.load(..., dequantize="on-the-fly")``) lays each
+layer quantized in format 1.0's compact layout (``format/SPEC.md`` §5.4) out as a ``CompactLayer``: the body rows
+stay as their codes and byte-coded group parameters on the device, the full-precision rows (sink and residual
+rows) as rows in the model's dtype; nothing is dequantized at load. At int4 the cache then holds 3.3x fewer bytes
+than its dequantized bf16 rows (``nbytes``; Qwen2.5-0.5B shape, 4K tokens, keep 0.3; BENCHMARKS.md), which lets
+more contexts stay resident on one GPU.
+
+Attention over such a layer (``kvpack.varlen.packed_attention``):
+
+* where the Triton kernel runs (CUDA, or Triton's interpreter with ``TRITON_INTERPRET=1``) and the layer has no
+  sliding window: ``kernels.compact_decode_triton``, which reads the codes and never writes dequantized rows; a
+  question of ``q`` tokens is ``q`` kernel calls, token ``i`` over the kept rows and the tail up to itself
+  (causal, exact);
+* elsewhere (plain CPU, a sliding window): the layer's rows are dequantized for that one call
+  (``materialized``, the loader's own dequantization, ``kvpack.cache``) and dropped after it: correct, and slow,
+  since every call pays a layer's dequantization.
+
+Which of the two placements decodes faster on a GPU is measured by ``tools/gpu_main_job.py`` (its
+``on-the-fly`` rows beside the ``at-load`` ones) and ``tools/bench_decode.py`` (``ours-keep-compact-int4``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .cache import PackedLayer, _laid_out_group
+from .errors import InputError
+from .pack import LayerEntries
+
+__all__ = ["CompactLayer", "DEQUANTIZE", "kernel_runs_on", "compact_layout_problem", "check_on_the_fly"]
+
+#: Where a quantized pack's body rows are dequantized: once when the cache is laid out, or at every attention call.
+DEQUANTIZE = ("at-load", "on-the-fly")
+
+
+def kernel_runs_on(device: torch.device | str) -> bool:
+    """Whether ``kernels.compact_decode_triton`` can run on tensors of ``device``: triton imports, and the device is
+    CUDA or Triton's interpreter is on (``TRITON_INTERPRET=1``, then CPU tensors)."""
+    import kernels
+
+    dev = torch.device(device)
+    return kernels.HAS_TRITON and (dev.type == "cuda" or (dev.type == "cpu" and
+                                                          os.environ.get("TRITON_INTERPRET") == "1"))
+
+
+def compact_layout_problem(entries: LayerEntries) -> str | None:
+    """Why ``kernels.compact_decode_triton`` cannot read this layer's quantized rows (``None`` when it can): the
+    kernel takes group sizes that are powers of two >= 16 and a head_dim_v that is a power of two."""
+    q = entries.quant
+    g, dv = int(q.group_size), int(entries.values.shape[1])
+    if g < 16 or g & (g - 1):
+        return f"group size {g} (the kernel needs a power of two >= 16)"
+    if dv & (dv - 1):
+        return f"head_dim_v {dv} (the kernel needs a power of two)"
+    return None
+
+
+class CompactLayer(PackedLayer):
+    """A ``PackedLayer`` whose quantized body rows stay compact (module doc); ``KvpackCache.from_pack`` builds it.
+
+    Args:
+        entries: the pack's ``LayerEntries`` for the layer, quantized in the compact layout (CPU tensors).
+        original_length: tokens in the original context.
+        dtype: the cache's dtype (full-precision rows, tail).
+        device: the cache's device.
+        sliding: whether the layer is a sliding-window layer (informational, as ``PackedLayer``'s).
+
+    Attributes:
+        compact: the arguments of ``kernels.compact_decode_triton`` on ``device`` except the query, the tail and the
+            scale (``kvpack.varlen.compact_kernel_args``): full-precision rows ``[Nfp, head_dim]`` in ``dtype`` with
+            their per-head offsets, body codes ``[Q, head_dim x bits / 8]`` uint8, group parameters, grids, biases.
+        entries: ``entries`` (codes as stored), which ``materialized`` dequantizes.
+        head_lengths, offsets, kept_positions, kept, dense, keys, values: as ``PackedLayer``'s. ``kept_keys``,
+            ``kept_values`` and ``biases`` are ``None``: the rows exist only as codes (``head_rows``, ``head_views``
+            and ``padded`` dequantize).
+
+    Raises ``InputError`` if the layer is not quantized in the compact layout.
+    """
+
+    def __init__(self, entries: LayerEntries, original_length: int, dtype: torch.dtype, device, sliding=False):
+        from .varlen import compact_kernel_args
+
+        d, dv = entries.keys.shape[1], entries.values.shape[1]
+        lengths = [int(n) for n in entries.head_lengths.tolist()]
+        super().__init__(torch.empty(0, d, dtype=dtype, device=device), torch.empty(0, dv, dtype=dtype, device=device),
+                         torch.empty(0, dtype=torch.int64, device=device), [0] * len(lengths), original_length,
+                         sliding)
+        self.compact = compact_kernel_args(entries, dtype, device)  # InputError unless compact
+        self.entries = entries
+        self.head_lengths = lengths
+        self.row_starts = [0]
+        for n in lengths:
+            self.row_starts.append(self.row_starts[-1] + n)
+        self.offsets = torch.tensor(self.row_starts, dtype=torch.int64, device=device)
+        self.kept = max(lengths)
+        self.dense = min(lengths) == self.kept
+        self.kept_positions = entries.positions.long().to(device)
+        self.kept_keys = self.kept_values = self.biases = None
+
+    def materialized(self) -> PackedLayer:
+        """A full-precision ``PackedLayer`` of this layer's kept rows (dequantized now, on CPU, then moved to the
+        cache's device), sharing this layer's tail tensors. ``[entries, head_dim]`` rows in the cache's dtype; a
+        copy per call."""
+        (keys, values, positions, biases), = _laid_out_group([self.entries], self.dtype, self.device)
+        full = PackedLayer(keys, values, positions, self.head_lengths, self.original_length, self.is_sliding, biases)
+        full.keys, full.values = self.keys, self.values
+        return full
+
+    def compact_attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The layer's last ``q`` tail tokens attending through ``kernels.compact_decode_triton``, one call per token
+        over the kept rows and the tail up to and including itself. ``query``: ``[1, heads, q, head_dim]``; returns
+        ``[1, q, heads, head_dim_v]`` in the query's dtype. Raises ``ValueError`` from the launcher for a layout it
+        cannot take (the loader checks first: ``compact_layout_problem``)."""
+        from kernels import compact_decode_triton
+
+        q_len, tail = query.shape[2], self.tail_length
+        outs = [compact_decode_triton(query[0, :, i], tail_keys=self.keys[0, :, : tail - q_len + i + 1],
+                                      tail_values=self.values[0, :, : tail - q_len + i + 1], scale=scaling,
+                                      **self.compact)
+                for i in range(q_len)]
+        return torch.stack(outs).unsqueeze(0)
+
+    def head_rows(self, h: int):
+        """As ``PackedLayer.head_rows``, from a dequantized copy (slow: dequantizes the layer)."""
+        return self.materialized().head_rows(h)
+
+    def head_views(self):
+        """As ``PackedLayer.head_views``, from a dequantized copy (slow: dequantizes the layer)."""
+        return self.materialized().head_views()
+
+    def padded(self):
+        """As ``PackedLayer.padded``, from a dequantized copy (slow: dequantizes the layer)."""
+        return self.materialized().padded()
+
+    def nbytes(self) -> int:
+        """Bytes held on the device: the compact tensors (rows, codes, parameters, grids, offsets, biases), the
+        positions, the offsets and the tail."""
+        parts = [t for t in self.compact.values() if torch.is_tensor(t)]
+        parts += [self.kept_positions, self.offsets, self.keys, self.values]
+        return sum(t.numel() * t.element_size() for t in parts)
+
+
+def check_on_the_fly(entries: LayerEntries, device: torch.device, index: int) -> None:
+    """Raise ``InputError`` when ``dequantize="on-the-fly"`` would decode a layer on a GPU without the kernel:
+    triton missing, or a layout the kernel cannot read. On CPU every layer is allowed (dequantized per call)."""
+    if torch.device(device).type != "cuda":
+        return
+    import kernels
+
+    problem = None if kernels.HAS_TRITON else "triton is not installed (pip install 'kvpack[gpu]')"
+    problem = problem or compact_layout_problem(entries)
+    if problem:
+        raise InputError(f"layer {index} cannot be decoded on the fly on {device}: {problem}; load it with "
+                         "dequantize='at-load' (the default)")
