@@ -29,7 +29,7 @@ from .compress import DEFAULT_CHUNK_SIZE, DEFAULT_RATIO
 from .errors import InputError, KvpackError
 from .fileformat import load_pack, read_header
 from .generation import answer
-from .listing import describe_pack, info_text, list_packs, verify_report
+from .listing import describe_pack, info_text, list_packs, method_label, verify_report
 from .listing import table as _table
 from .compact_cache import DEQUANTIZE
 from .loading import cache_from_pack
@@ -410,7 +410,7 @@ def ls(folder, as_json, storage_option):
     if as_json:
         click.echo(json.dumps(rows, indent=1, ensure_ascii=False))
         return
-    table = [(r["pack"], (r["source"] or {}).get("name") or "?", r["method"] or "?",
+    table = [(r["pack"], (r["source"] or {}).get("name") or "?", method_label(r["method"], r["method_params"]),
               f"{r['ratio']:g}" if isinstance(r["ratio"], (int, float)) else "?", f"{r['tokens']:,}",
               f"{r['bytes']:,}", r["model"] or "?") if r["error"] is None
              else (r["pack"], f"unreadable: {r['error']}", "", "", "", "", "") for r in rows]

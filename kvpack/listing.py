@@ -18,7 +18,31 @@ from . import storage
 from .fileformat import PackHeader, load_pack, read_header, verify
 from .manifest import read_manifest
 
-__all__ = ["describe_pack", "list_packs", "verify_report", "info_text", "table", "pairs"]
+__all__ = ["describe_pack", "list_packs", "verify_report", "info_text", "table", "pairs", "method_label"]
+
+
+def method_label(method: Any, params: Any) -> str:
+    """A pack's method as ``--methods`` specs write it: the name, then the parameters that differ from the method's
+    defaults in brackets (``"am[reference=both]"``, ``"kvzip"``); ``chunk_size`` is left out (the prefill chunk,
+    ``--chunk-size``, a build setting rather than a method option). Header values are untrusted: a method this
+    kvpack does not know, or parameters that are not a dict of scalars, give the bare name (``"?"`` for no name).
+    Raises nothing."""
+    if not isinstance(method, str) or not method:
+        return "?"
+    if not isinstance(params, dict) or not params:
+        return method
+    from .methods import METHODS, get_method
+
+    if method not in METHODS:
+        return method
+    try:
+        defaults = get_method(method).params()
+    except KvpackError:  # a method whose defaults need a file (kvzip-head's head scores)
+        defaults = {}
+    changed = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in sorted(params.items(), key=str)
+               if isinstance(k, str) and k != "chunk_size" and isinstance(v, (str, int, float, bool))
+               and defaults.get(k, v) != v]
+    return f"{method}[{';'.join(changed)}]" if changed else method
 
 
 def describe_pack(path: str | os.PathLike, header: PackHeader | None = None, *,

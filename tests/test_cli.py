@@ -223,6 +223,24 @@ def test_build_with_method_options_and_info_shows_them(docs, models, tmp_path, a
     assert budgets and sum(int(b) for b in budgets.group(1).split(", ")) == int(kept.group(1).replace(",", ""))
     assert ("merged " in info) == ("d2o" in args and "off" not in args)
     assert ("attention matching fit" in info) == ("am" in args)
+    if "both" in args:  # kvpack ls names the options that differ from the method's defaults
+        listing = _run(["ls", str(out)]).stdout
+        assert re.search(r"alpha\.kvpack\s+alpha\.txt\s+am\[queries=64;reference=both\]\s", listing)
+
+
+def test_method_label_names_changed_parameters_and_survives_hostile_headers():
+    from kvpack.listing import method_label
+    from kvpack.methods import get_method
+
+    assert method_label("am", get_method("am", reference="both").params()) == "am[reference=both]"
+    assert method_label("am", get_method("am").params()) == "am"
+    assert method_label("am", get_method("am", on_policy=True).params()) == "am[on_policy=true]"
+    assert method_label("d2o", get_method("d2o", merge="off", sink=2).params()) == "d2o[merge=off;sink=2]"
+    assert method_label("kvzip", {}) == "kvzip" and method_label("none", None) == "none"
+    assert method_label("kvzip", get_method("kvzip", chunk_size=64).params()) == "kvzip"  # a build setting
+    assert method_label(["am"], {}) == "?" and method_label("", {"a": 1}) == "?"
+    assert method_label("not-a-method", {"a": 1}) == "not-a-method"
+    assert method_label("am", {"reference": ["both"], 3: 4, "queries": {"x": 1}}) == "am"
 
 
 @pytest.mark.parametrize("args, message", [
