@@ -397,3 +397,32 @@ def test_on_the_fly_cache_layer_decodes_through_the_compact_kernel(dtype, biased
     expected = _packed_attention_torch(query, at_load, d ** -0.5, None)
     assert out.shape == expected.shape == (1, q_len, hkv * g, d)
     assert_close_report(out.reshape(-1, d), expected.reshape(-1, d), *TOLERANCES[dtype], what=f"on the fly {dtype}")
+
+
+@requires_kernel
+def test_on_the_fly_layer_without_full_precision_rows(monkeypatch):
+    """Every row quantized (no sink, every head at least G rows): the kernel's full-precision segment is empty."""
+    from kvpack.cache import KvpackCache
+    from kvpack.pack import LayerEntries, Pack
+    from kvpack.quant import quantize_pack
+    from kvpack.varlen import _packed_attention_torch, packed_attention
+
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(0)
+    d, heads = 32, [list(range(10, 42)), list(range(5, 37))]
+    n = sum(map(len, heads))
+    raw = LayerEntries(torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen),
+                       torch.tensor([p for h in heads for p in h], dtype=torch.int32), torch.tensor([32, 32]))
+    pack = quantize_pack(Pack(torch.arange(50), [raw], 3, {}), "int4", 16)
+    assert pack.layers[0].keys.shape[0] == 0 and pack.layers[0].quant.body_lengths.tolist() == [32, 32]
+    at_load = KvpackCache.from_pack(pack, device=DEVICE).layers[0]
+    fly = KvpackCache.from_pack(pack, device=DEVICE, dequantize="on-the-fly").layers[0]
+    for layer in (at_load, fly):
+        gen.manual_seed(1)
+        layer.update(torch.randn(1, 2, 2, d, generator=gen).to(DEVICE),
+                     torch.randn(1, 2, 2, d, generator=gen).to(DEVICE))
+    query = torch.randn(1, 4, 1, d, generator=gen).to(DEVICE)
+    assert_close_report(packed_attention(query, fly, d ** -0.5)[0, 0],
+                        _packed_attention_torch(query, at_load, d ** -0.5, None)[0, 0], *TOLERANCES[torch.float32],
+                        what="body-only layer")

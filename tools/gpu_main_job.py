@@ -78,12 +78,13 @@ def main(argv=None) -> str:
     ap.add_argument("--quant-method", default="kvzip",
                     help="also build this method with int4 and load it both ways (at-load, on-the-fly); '' for none")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto", help="model dtype (auto, float32, bfloat16, float16)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="build no further method once this many seconds have passed (the table keeps the done ones)")
     ap.add_argument("--out", default=None, help="Markdown file to write")
     args = ap.parse_args(argv)
     cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0]] + (argv if argv is not None else sys.argv[1:]))
-    model, tok = kvpack.load_model(args.model, device=args.device)
+    model, tok = kvpack.load_model(args.model, device=args.device, dtype=args.dtype)
     dev = next(model.parameters()).device
     text, ids = needle_context_ids(tok, args.tokens, dev)
     n = int(ids.shape[1])
