@@ -278,7 +278,7 @@ class KvpackCache(Cache):
         ``dequantize="at-load"`` (default): a quantized layer is dequantized once here (on CPU, ``kvpack.quant``:
         ``code x scale + min`` in float32, then ``dtype``), so the cache holds ordinary full-precision rows, packed
         per head like the pack's own (no padding). ``dequantize="on-the-fly"``: a quantized layer keeps its codes as
-        stored (``kvpack.compact_cache.CompactLayer``, 3.3x fewer bytes than bf16 rows at int4), and attention
+        stored (``kvpack.compact_cache.CompactLayer``, about 3x fewer bytes than bf16 rows at int4), and attention
         dequantizes them as it reads them (the Triton kernel on CUDA; elsewhere a per-call dequantization, slow).
         Unquantized layers are the same either way. Without ``dtype`` each layer keeps the dtype of its keys (its
         values are cast to it). Biases (``LayerEntries.biases``) stay float32.

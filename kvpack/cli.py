@@ -402,7 +402,8 @@ def verify(files, model_name, as_json, device, dtype, storage_option):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per pack (a list).")
 @_storage_options
 def ls(folder, as_json, storage_option):
-    """List the packs under FOLDER (a build's --out): pack, source, method, ratio, tokens, bytes, model.
+    """List the packs under FOLDER (a build's --out): pack, source, method (with the options that differ from its
+    defaults, e.g. am[reference=both]), ratio, quantization, tokens, bytes, model.
 
     Only headers are read (fast); use verify to check every checksum.
     """
@@ -411,12 +412,12 @@ def ls(folder, as_json, storage_option):
         click.echo(json.dumps(rows, indent=1, ensure_ascii=False))
         return
     table = [(r["pack"], (r["source"] or {}).get("name") or "?", method_label(r["method"], r["method_params"]),
-              f"{r['ratio']:g}" if isinstance(r["ratio"], (int, float)) else "?", f"{r['tokens']:,}",
-              f"{r['bytes']:,}", r["model"] or "?") if r["error"] is None
-             else (r["pack"], f"unreadable: {r['error']}", "", "", "", "", "") for r in rows]
+              f"{r['ratio']:g}" if isinstance(r["ratio"], (int, float)) else "?", str(r["quant"] or "none"),
+              f"{r['tokens']:,}", f"{r['bytes']:,}", r["model"] or "?") if r["error"] is None
+             else (r["pack"], f"unreadable: {r['error']}", "", "", "", "", "", "") for r in rows]
     if table:
-        click.echo(_table(("pack", "source", "method", "ratio", "tokens", "bytes", "model"), table,
-                          right=(3, 4, 5)))
+        click.echo(_table(("pack", "source", "method", "ratio", "quant", "tokens", "bytes", "model"), table,
+                          right=(3, 5, 6)))
     ok = [r for r in rows if r["error"] is None]
     click.echo(f"{len(rows)} packs in {folder}, {sum(r['bytes'] for r in ok):,} bytes"
                + (f"; {len(rows) - len(ok)} unreadable" if len(ok) < len(rows) else ""))
@@ -440,9 +441,9 @@ def ls(folder, as_json, storage_option):
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per answer (JSON lines) with tokens, seconds, tokens/s and load time.")
 @click.option("--dequantize", type=click.Choice(DEQUANTIZE), default="at-load", show_default=True,
-              help="For a --quant pack: dequantize its rows once at load, or keep the codes in memory (3.3x less "
-                   "than bf16 rows at int4) and read them in the CUDA decode kernel (on CPU: slow, every step "
-                   "dequantizes).")
+              help="For a --quant pack: dequantize its rows once at load, or keep the codes in memory (about 3x "
+                   "less than bf16 rows at int4) and read them in the CUDA decode kernel (on CPU: slow, every step "
+                   "dequantizes). An unquantized pack loads the same either way.")
 @_threads_option
 @_model_options
 @_storage_options

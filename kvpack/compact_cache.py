@@ -3,9 +3,9 @@
 ``KvpackCache.from_pack(..., dequantize="on-the-fly")`` (``kvpack.load(..., dequantize="on-the-fly")``) lays each
 layer quantized in format 1.0's compact layout (``format/SPEC.md`` §5.4) out as a ``CompactLayer``: the body rows
 stay as their codes and byte-coded group parameters on the device, the full-precision rows (sink and residual
-rows) as rows in the model's dtype; nothing is dequantized at load. At int4 the cache then holds 3.3x fewer bytes
-than its dequantized bf16 rows (``nbytes``; Qwen2.5-0.5B shape, 4K tokens, keep 0.3; BENCHMARKS.md), which lets
-more contexts stay resident on one GPU.
+rows) as rows in the model's dtype; nothing is dequantized at load. At int4 the cache then holds about 3x fewer
+bytes than its dequantized bf16 rows (``nbytes``: 3.25x on the Qwen2.5-0.5B shape, 4K tokens, keep 0.3;
+BENCHMARKS.md), which lets more contexts stay resident on one GPU. Unquantized layers are laid out as usual.
 
 Attention over such a layer (``kvpack.varlen.packed_attention``):
 

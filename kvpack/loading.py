@@ -82,7 +82,8 @@ def load(path: str | os.PathLike, model, *, device=None, tokenizer=None,
         dequantize: for a quantized pack (``kvpack build --quant``), ``"at-load"`` (default: the cache holds
             dequantized rows in the model's dtype) or ``"on-the-fly"`` (it keeps the codes as stored, about a
             third of the memory at int4, and decodes through the Triton kernel that reads them on CUDA; on CPU
-            every attention call dequantizes, slowly): ``kvpack.compact_cache``.
+            every attention call dequantizes, slowly): ``kvpack.compact_cache``. An unquantized pack loads the same
+            either way.
 
     Returns:
         A ``KvpackCache`` (a ``transformers.Cache``); see its docstring for use with ``model.generate``.

@@ -225,7 +225,7 @@ def test_build_with_method_options_and_info_shows_them(docs, models, tmp_path, a
     assert ("attention matching fit" in info) == ("am" in args)
     if "both" in args:  # kvpack ls names the options that differ from the method's defaults
         listing = _run(["ls", str(out)]).stdout
-        assert re.search(r"alpha\.kvpack\s+alpha\.txt\s+am\[queries=64;reference=both\]\s", listing)
+        assert re.search(r"alpha\.kvpack\s+alpha\.txt\s+am\[queries=64;reference=both\]\s+[\d.]+\s+none\s", listing)
 
 
 def test_method_label_names_changed_parameters_and_survives_hostile_headers():
@@ -278,6 +278,7 @@ def test_build_quantized_packs_and_info_shows_quantization_and_errors(models, tm
     assert _status(_run(base + ["--quant", "int4", "--group-size", "64", "--zstd-level", "5"])) == {
         "alpha": "replaced"}
     assert (out / "alpha.kvpack").stat().st_size < plain / 3
+    assert re.search(r"^alpha\.kvpack\s+alpha\.txt\s+kvzip\s+[\d.]+\s+int4\s", _run(["ls", str(out)]).stdout, re.M)
     info = _run(["info", str(out / "alpha.kvpack")]).stdout
     assert re.search(r"format\s+kvpack 1\.0, ", info) and re.search(r"zstd\s+level 5: ", info)
     assert re.search(r"quantization\s+int4, group size 64, compact layout \(key code widths ", info)

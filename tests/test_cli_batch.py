@@ -172,8 +172,9 @@ def test_ls_info_and_verify_take_folders_and_several_files(llama, tmp_path):
     _run(["build", str(docs), "--model", llama, "--device", "cpu", "--chunk-size", "64", "--out", str(out)])
     (out / "junk.kvpack").write_bytes(b"not a pack at all")
     res = _run(["ls", str(out)])
-    assert re.search(r"^pack\s+source\s+method\s+ratio\s+tokens\s+bytes\s+model$", res.stdout, re.M)
-    assert re.search(rf"^a\.kvpack\s+a\.txt\s+kvzip\s+0\.3\s+\d+\s+[\d,]+\s+{re.escape(llama)}$", res.stdout, re.M)
+    assert re.search(r"^pack\s+source\s+method\s+ratio\s+quant\s+tokens\s+bytes\s+model$", res.stdout, re.M)
+    assert re.search(rf"^a\.kvpack\s+a\.txt\s+kvzip\s+0\.3\s+none\s+\d+\s+[\d,]+\s+{re.escape(llama)}$", res.stdout,
+                     re.M)
     assert re.search(r"^sub/b\.kvpack\s+sub/b\.md\s+kvzip", res.stdout, re.M)
     assert re.search(r"^junk\.kvpack\s+unreadable: ", res.stdout, re.M)
     rows = json.loads(_run(["ls", str(out), "--json"]).stdout)
