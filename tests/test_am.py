@@ -261,6 +261,24 @@ def test_reservoir_pools_the_gqa_group_and_is_deterministic():
     assert torch.equal(a.split()[0], b.split()[0]) and a.split()[0].shape[1] <= 5
 
 
+def test_reservoir_split_is_computed_once_and_holds_out_rows_from_the_whole_pool():
+    """The selection (``selection="rms"``) and the fit read the same split, whatever the number of calls; the
+    held-out rows are a random subset of the pool (not its first rows, which are one query head's first
+    positions), disjoint from the fit rows; a new ``append`` makes a new split."""
+    r = QueryReservoir(kv_heads=1, cap=4096)
+    r.append((torch.arange(2 * 1000, dtype=torch.float32).view(2, 1000, 1), 1.0))  # 2 query heads, row = its id
+    fit, held = r.split()
+    again = r.split()
+    assert torch.equal(fit, again[0]) and torch.equal(held, again[1])
+    ids_fit, ids_held = fit[0, :, 0].long(), held[0, :, 0].long()
+    assert held.shape[1] == 250 and fit.shape[1] == 1750  # pool / 8 held out
+    assert not set(ids_fit.tolist()) & set(ids_held.tolist())
+    assert (ids_held >= 1000).any() and (ids_held < 1000).any()  # both query heads are held out from
+    assert ids_held.max() - ids_held.min() > 1500  # spread over the pool
+    r.append((torch.full((2, 10, 1), -1.0), 1.0))
+    assert r.split()[0].shape[1] + r.split()[1].shape[1] == 2020
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # biases on the attention paths, in the file, and through generate
 

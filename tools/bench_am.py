@@ -83,13 +83,19 @@ def packs_for(model, tok, text: str, ratios: list[float], queries: int, budgets=
     scorer = get_method("am", queries=queries)
     scores = scorer.score(model, tok, full)
     params = {name: parse_method_spec(name)[1] for name in variants if name != "kvzip"}
-    scorers = {"repeat": scorer}  # one scoring pass per reference-query source the variants ask for
-    for p in params.values():
+    # one scoring pass per reference-query source (and sampled length) the variants ask for
+    scorers = {("repeat", None): scorer}
+
+    def source_of(p: dict) -> tuple:
         ref = p.get("reference", "repeat")
-        if ref not in scorers:
-            scorers[ref] = get_method("am", queries=queries, reference=ref,
-                                      **{k: v for k, v in p.items() if k == "continue_tokens"})
-            scorers[ref].score(model, tok, full)
+        return ref, None if ref == "repeat" else p.get("continue_tokens")
+
+    for p in params.values():
+        key = source_of(p)
+        if key not in scorers:
+            scorers[key] = get_method("am", queries=queries, reference=key[0],
+                                      **({} if key[1] is None else {"continue_tokens": key[1]}))
+            scorers[key].score(model, tok, full)
     out = {}
     for budget in budgets:
         for r in ratios:
@@ -99,7 +105,7 @@ def packs_for(model, tok, text: str, ratios: list[float], queries: int, budgets=
                     m = get_method("kvzip")
                 else:
                     m = get_method("am", queries=queries, **params[name])
-                    source = scorers[params[name].get("reference", "repeat")]
+                    source = scorers[source_of(params[name])]
                     m._spec, m._reservoirs = source._spec, source._reservoirs
                 keep_m = keep if name == "kvzip" or m.selection == "kvzip" else m.reselect_within_heads(keep, full)
                 out[(name, budget, r)] = assemble_pack(model, tok, text, m, r, full, keep_m, "<bench>")

@@ -41,14 +41,16 @@ class QueryReservoir:
     ``[heads, q, head_dim]`` after q-norm and RoPE. The query heads of a GQA group are pooled (head ``j`` serves KV
     head ``j // group``), and each call keeps at most ``cap`` rows per KV head (a seeded random subset, the same
     rows for every KV head), so memory stays bounded on long contexts. ``split`` then takes ``cap`` rows of the
-    whole pool (again seeded) and holds some out.
+    whole pool (again seeded) and holds out a seeded random subset of them; it is computed once (until the next
+    ``append``), so the selection (``selection="rms"``) and the fit see the same split.
     """
 
     def __init__(self, kv_heads: int, cap: int, seed: int = QUERY_SEED):
-        self.kv_heads, self.cap = kv_heads, cap
+        self.kv_heads, self.cap, self.seed = kv_heads, cap, seed
         self.parts: list[torch.Tensor] = []
         self.scaling: float | None = None
         self.generator = torch.Generator().manual_seed(seed)
+        self._split: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # (held_out, (fit, held))
 
     def append(self, item: tuple[torch.Tensor, float]) -> None:
         """Add one attention call's ``(query [heads, q, head_dim], scaling)``."""
@@ -56,6 +58,7 @@ class QueryReservoir:
         heads, q, d = query.shape
         pooled = query.reshape(self.kv_heads, (heads // self.kv_heads) * q, d)
         self.parts.append(self._subsample(pooled).float())
+        self._split = None
 
     def _subsample(self, pooled: torch.Tensor) -> torch.Tensor:
         n = pooled.shape[1]
@@ -70,9 +73,14 @@ class QueryReservoir:
         was recorded."""
         if not self.parts:
             raise RuntimeError("no reference queries were recorded (the repeat pass did not run)")
-        pool = self._subsample(torch.cat(self.parts, dim=1))
-        held = min(held_out, pool.shape[1] // 8)
-        return pool[:, held:], pool[:, :held]
+        if self._split is None or self._split[0] != held_out:
+            pool = self._subsample(torch.cat(self.parts, dim=1))
+            n = pool.shape[1]
+            held = min(held_out, n // 8)
+            # held-out rows drawn at random (not the pool's first rows: those are one query head's first positions)
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + 1)).to(pool.device)
+            self._split = held_out, (pool[:, order[held:].sort().values], pool[:, order[:held].sort().values])
+        return self._split[1]
 
 
 @dataclass
