@@ -27,6 +27,8 @@ import triton.language as tl
 
 from .varlen_decode import LOG2E, _combine_kernel, _default_splits, _dot, _online_update
 
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # as triton.jit read it at import
+
 
 @triton.jit
 def _dense_segment(m_i, l_i, acc, q, K, stride_kh, stride_kn, V, stride_vh, stride_vn, B, row0, n, s, start,
@@ -159,13 +161,20 @@ def _compact_decode_kernel(
                  mask=g_mask[:, None] & v_mask[None, :])
 
 
+_MULTIPLIERS: dict = {}  # device -> the table, so a decode loop makes no host-to-device copy per launch
+
+
 def scale_multipliers(device) -> torch.Tensor:
     """``[256]`` float32: the multiplier of a column's scale base for each scale code, ``(32 + m) x 2^(e - 12)``
-    for code ``e << 5 | m`` and 0 for code 0 (``kvpack.compact.scale_table``; ``format/SPEC.md`` §5.6)."""
-    k = torch.arange(256)
-    mult = (32 + (k & 31)).double() * torch.pow(2.0, (k >> 5).double() - 12)
-    mult[0] = 0.0
-    return mult.float().to(device)
+    for code ``e << 5 | m`` and 0 for code 0 (``kvpack.compact.scale_table``; ``format/SPEC.md`` §5.6). Made once
+    per device; treat it as read-only."""
+    device = torch.device(device)
+    if device not in _MULTIPLIERS:
+        k = torch.arange(256)
+        mult = (32 + (k & 31)).double() * torch.pow(2.0, (k >> 5).double() - 12)
+        mult[0] = 0.0
+        _MULTIPLIERS[device] = mult.float().to(device)
+    return _MULTIPLIERS[device]
 
 
 def compact_decode_triton(q, fp_keys, fp_values, fp_offsets, tail_keys, tail_values, scale, *, key_codes, key_bits,
@@ -235,7 +244,7 @@ def compact_decode_triton(q, fp_keys, fp_values, fp_offsets, tail_keys, tail_val
         D=D, DV=dv, NGV=ngv, BLOCK_G=max(16, np2(H // hkv)), BLOCK_D=max(32, np2(D)), BLOCK_DV=max(32, dv),
         BLOCK_N=block_n, BLOCK_NQ=min(block_n, G), GROUP_Q=G, GROUP_V=gv, VBITS=int(bits),
         SPLIT=S > 1, HAS_BIAS=has_bias, DOT_PREC="ieee" if dt == torch.float32 else "tf32",
-        UPCAST=dt == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        UPCAST=dt == torch.bfloat16 and _INTERPRETED,
         num_warps=num_warps, num_stages=num_stages,
     )
     if S > 1:

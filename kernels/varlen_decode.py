@@ -33,6 +33,8 @@ import triton.language as tl
 
 from .reference import value_group_size
 
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # as triton.jit read it at import
+
 LOG2E = 1.4426950408889634
 LOG2E_C = tl.constexpr(LOG2E)
 
@@ -322,7 +324,7 @@ def varlen_decode_triton(q, fp_keys, fp_values, fp_offsets, tail_keys, tail_valu
         BLOCK_G=max(16, np2(g)), BLOCK_D=max(32, np2(D)), BLOCK_DV=max(32, block_dv),
         BLOCK_N=block_n, BLOCK_NQ=min(block_n, G), GROUP_Q=G, GROUP_V=gv, NGV_P2=ngv_p2,
         QUANT=quant, SPLIT=split, BIAS=has_bias, DOT_PREC="ieee" if dt == torch.float32 else "tf32",
-        UPCAST=dt == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        UPCAST=dt == torch.bfloat16 and _INTERPRETED,
         num_warps=num_warps or (8 if quant else 4), num_stages=num_stages,
     )
     if split:

@@ -280,8 +280,9 @@ class KvpackCache(Cache):
         per head like the pack's own (no padding). ``dequantize="on-the-fly"``: a quantized layer keeps its codes as
         stored (``kvpack.compact_cache.CompactLayer``, about 3x fewer bytes than bf16 rows at int4), and attention
         dequantizes them as it reads them (the Triton kernel on CUDA; elsewhere a per-call dequantization, slow).
-        Unquantized layers are the same either way. Without ``dtype`` each layer keeps the dtype of its keys (its
-        values are cast to it). Biases (``LayerEntries.biases``) stay float32.
+        Unquantized layers and sliding-window layers (``sliding_layers``) are laid out as at load either way.
+        Without ``dtype`` each layer keeps the dtype of its keys (its values are cast to it). Biases
+        (``LayerEntries.biases``) stay float32.
 
         Raises ``InputError`` if the pack has no layers, if a layer's tensors do not have the rows its head
         lengths (and, quantized, its sink and body lengths) call for, if ``dequantize`` is neither of
@@ -296,12 +297,14 @@ class KvpackCache(Cache):
             raise InputError(f"dequantize must be one of {', '.join(DEQUANTIZE)}, got {dequantize!r}")
         n = pack.original_tokens
         on_the_fly = [dequantize == "on-the-fly" and e.quant is not None and e.quant.layout == "compact"
-                      for e in pack.layers]
+                      and idx not in sliding_layers for idx, e in enumerate(pack.layers)]
+        for idx, (entries, fly) in enumerate(zip(pack.layers, on_the_fly)):
+            if fly:
+                check_on_the_fly(entries, device, idx)  # before any layer is laid out
         laid = iter(_laid_out([e for e, fly in zip(pack.layers, on_the_fly) if not fly], dtype, device))
         layers: list[PackedLayer] = []
         for idx, (entries, fly) in enumerate(zip(pack.layers, on_the_fly)):
             if fly:
-                check_on_the_fly(entries, device, idx)
                 layers.append(CompactLayer(entries, n, dtype or entries.keys.dtype, device,
                                            sliding=idx in sliding_layers))
                 continue

@@ -9,13 +9,17 @@ BENCHMARKS.md), which lets more contexts stay resident on one GPU. Unquantized l
 
 Attention over such a layer (``kvpack.varlen.packed_attention``):
 
-* where the Triton kernel runs (CUDA, or Triton's interpreter with ``TRITON_INTERPRET=1``) and the layer has no
-  sliding window: ``kernels.compact_decode_triton``, which reads the codes and never writes dequantized rows; a
+* where the Triton kernel runs (CUDA, or CPU under Triton's interpreter: ``kernel_runs_on``) and the layer has no
+  sliding window: ``kvpack.kernels.compact_decode_triton``, which reads the codes and never writes dequantized rows; a
   question of ``q`` tokens is ``q`` kernel calls, token ``i`` over the kept rows and the tail up to itself
   (causal, exact);
-* elsewhere (plain CPU, a sliding window): the layer's rows are dequantized for that one call
-  (``materialized``, the loader's own dequantization, ``kvpack.cache``) and dropped after it: correct, and slow,
-  since every call pays a layer's dequantization.
+* elsewhere (plain CPU, or a layout the kernel does not take there, which CUDA refuses at load): the layer's rows
+  are dequantized for that one call (``materialized``, the loader's own dequantization, ``kvpack.cache``) and
+  dropped after it: correct, and slow, since every call pays a layer's dequantization.
+
+Sliding-window layers (kept intact, attended through a window the kernel does not apply) are always dequantized at
+load. A ``CompactLayer`` also keeps the pack's CPU tensors of its layer (``entries``, the codes as stored) for that
+per-call dequantization: host memory about the size of the codes, which ``nbytes`` does not count.
 
 Which of the two placements decodes faster on a GPU is measured by ``tools/gpu_main_job.py`` (its
 ``on-the-fly`` rows beside the ``at-load`` ones) and ``tools/bench_decode.py`` (``ours-keep-compact-int4``).
@@ -23,7 +27,6 @@ Which of the two placements decodes faster on a GPU is measured by ``tools/gpu_m
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -38,17 +41,17 @@ DEQUANTIZE = ("at-load", "on-the-fly")
 
 
 def kernel_runs_on(device: torch.device | str) -> bool:
-    """Whether ``kernels.compact_decode_triton`` can run on tensors of ``device``: triton imports, and the device is
-    CUDA or Triton's interpreter is on (``TRITON_INTERPRET=1``, then CPU tensors)."""
-    import kernels
+    """Whether ``kvpack.kernels.compact_decode_triton`` can run on tensors of ``device``: triton imports, and the
+    device is CUDA, or CPU with the kernels made for Triton's interpreter (``kvpack.kernels.INTERPRETED``:
+    ``TRITON_INTERPRET=1`` when they were first imported)."""
+    from . import kernels
 
     dev = torch.device(device)
-    return kernels.HAS_TRITON and (dev.type == "cuda" or (dev.type == "cpu" and
-                                                          os.environ.get("TRITON_INTERPRET") == "1"))
+    return kernels.HAS_TRITON and (dev.type == "cuda" or (dev.type == "cpu" and kernels.INTERPRETED))
 
 
 def compact_layout_problem(entries: LayerEntries) -> str | None:
-    """Why ``kernels.compact_decode_triton`` cannot read this layer's quantized rows (``None`` when it can): the
+    """Why ``kvpack.kernels.compact_decode_triton`` cannot read this layer's quantized rows (``None`` when it can): the
     kernel takes group sizes that are powers of two >= 16 and a head_dim_v that is a power of two."""
     q = entries.quant
     g, dv = int(q.group_size), int(entries.values.shape[1])
@@ -70,10 +73,12 @@ class CompactLayer(PackedLayer):
         sliding: whether the layer is a sliding-window layer (informational, as ``PackedLayer``'s).
 
     Attributes:
-        compact: the arguments of ``kernels.compact_decode_triton`` on ``device`` except the query, the tail and the
-            scale (``kvpack.varlen.compact_kernel_args``): full-precision rows ``[Nfp, head_dim]`` in ``dtype`` with
-            their per-head offsets, body codes ``[Q, head_dim x bits / 8]`` uint8, group parameters, grids, biases.
-        entries: ``entries`` (codes as stored), which ``materialized`` dequantizes.
+        compact: the arguments of ``kvpack.kernels.compact_decode_triton`` on ``device`` except the query, the tail
+            and the scale (``kvpack.varlen.compact_kernel_args``): full-precision rows ``[Nfp, head_dim]`` in
+            ``dtype`` with their per-head offsets, body codes ``[Q, head_dim x bits / 8]`` uint8, group parameters,
+            grids, biases.
+        entries: ``entries`` (codes as stored, on CPU), which ``materialized`` dequantizes.
+        kernel_problem: why ``kernels.compact_decode_triton`` cannot read the layer, or ``None``.
         head_lengths, offsets, kept_positions, kept, dense, keys, values: as ``PackedLayer``'s. ``kept_keys``,
             ``kept_values`` and ``biases`` are ``None``: the rows exist only as codes (``head_rows``, ``head_views``
             and ``padded`` dequantize).
@@ -100,6 +105,8 @@ class CompactLayer(PackedLayer):
         self.dense = min(lengths) == self.kept
         self.kept_positions = entries.positions.long().to(device)
         self.kept_keys = self.kept_values = self.biases = None
+        #: why the compact kernel cannot read this layer (``compact_layout_problem``), or ``None``
+        self.kernel_problem = compact_layout_problem(entries)
 
     def materialized(self) -> PackedLayer:
         """A full-precision ``PackedLayer`` of this layer's kept rows (dequantized now, on CPU, then moved to the
@@ -111,11 +118,11 @@ class CompactLayer(PackedLayer):
         return full
 
     def compact_attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """The layer's last ``q`` tail tokens attending through ``kernels.compact_decode_triton``, one call per token
-        over the kept rows and the tail up to and including itself. ``query``: ``[1, heads, q, head_dim]``; returns
-        ``[1, q, heads, head_dim_v]`` in the query's dtype. Raises ``ValueError`` from the launcher for a layout it
-        cannot take (the loader checks first: ``compact_layout_problem``)."""
-        from kernels import compact_decode_triton
+        """The layer's last ``q`` tail tokens attending through ``kvpack.kernels.compact_decode_triton``, one call per
+        token over the kept rows and the tail up to and including itself. ``query``: ``[1, heads, q, head_dim]``;
+        returns ``[1, q, heads, head_dim_v]`` in the query's dtype. ``kvpack.varlen.packed_attention`` calls it only
+        when ``kernel_problem`` is ``None``; otherwise the launcher raises ``ValueError``."""
+        from .kernels import compact_decode_triton
 
         q_len, tail = query.shape[2], self.tail_length
         outs = [compact_decode_triton(query[0, :, i], tail_keys=self.keys[0, :, : tail - q_len + i + 1],
@@ -149,7 +156,7 @@ def check_on_the_fly(entries: LayerEntries, device: torch.device, index: int) ->
     triton missing, or a layout the kernel cannot read. On CPU every layer is allowed (dequantized per call)."""
     if torch.device(device).type != "cuda":
         return
-    import kernels
+    from . import kernels
 
     problem = None if kernels.HAS_TRITON else "triton is not installed (pip install 'kvpack[gpu]')"
     problem = problem or compact_layout_problem(entries)

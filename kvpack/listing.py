@@ -39,9 +39,16 @@ def method_label(method: Any, params: Any) -> str:
         defaults = get_method(method).params()
     except KvpackError:  # a method whose defaults need a file (kvzip-head's head scores)
         defaults = {}
-    changed = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in sorted(params.items(), key=str)
-               if isinstance(k, str) and k != "chunk_size" and isinstance(v, (str, int, float, bool))
-               and defaults.get(k, v) != v]
+    changed = []
+    for k in sorted(k for k in params if isinstance(k, str)):
+        v = params[k]
+        if k == "chunk_size" or not isinstance(v, (str, int, float, bool)) or not k.isprintable():
+            continue
+        if k in defaults and type(defaults[k]) is type(v) and defaults[k] == v:
+            continue  # the default (compared with its type: on_policy=0 is not on_policy=False)
+        text = str(v).lower() if isinstance(v, bool) else str(v)
+        if text.isprintable():  # a header's control characters never reach the terminal
+            changed.append(f"{k}={text}")
     return f"{method}[{';'.join(changed)}]" if changed else method
 
 

@@ -12,7 +12,7 @@ tail's rows ``t_m`` (logical positions ``original_length + m``):
 No row is copied and nothing is padded:
 
 * CUDA, one query token, no sliding window, triton installed: the Triton varlen decode kernel
-  (``kernels.varlen_decode_triton``), one program per KV head (and split) over its rows and the tail.
+  (``kvpack.kernels.varlen_decode_triton``), one program per KV head (and split) over its rows and the tail.
 * CPU, no sliding window: per KV head one call of torch's fused CPU flash kernel with the group's queries folded
   into one ``[g x q, head_dim]`` block over the head's rows (a view of the packed tensor; ``beta`` as its additive
   mask), and for the tail one folded flash call (one token) or a flash call over the earlier tail plus a causal
@@ -20,7 +20,7 @@ No row is copied and nothing is padded:
   over padded heads, plain per-head products, nested-jagged SDPA and compiled flex_attention (BENCHMARKS.md,
   "Packed cache").
 * a layer that keeps its quantized codes (``kvpack.compact_cache.CompactLayer``, ``dequantize="on-the-fly"``):
-  ``kernels.compact_decode_triton`` once per query token where Triton runs and there is no window, else the
+  ``kvpack.kernels.compact_decode_triton`` once per query token where Triton runs and there is no window, else the
   layer dequantized for this call and one of the paths here.
 * otherwise (a sliding window, or question prefill on a GPU): per KV head, one product of the group's queries
   with the head's rows, the head's slice of the tail's logits (one batched product for all heads), one softmax
@@ -39,10 +39,10 @@ LOGIT_BLOCK = 2**24
 
 def use_triton_for(query: torch.Tensor, window: int | None) -> bool:
     """Whether ``packed_attention`` takes the Triton kernel for ``query`` ``[1, heads, q, head_dim]``: CUDA, one
-    token, no window, and ``kernels`` imports with triton."""
+    token, no window, and ``kvpack.kernels`` imports with triton."""
     if not query.is_cuda or query.shape[2] != 1 or window is not None:
         return False
-    import kernels
+    from . import kernels
 
     return kernels.HAS_TRITON
 
@@ -64,7 +64,7 @@ def packed_attention(query: torch.Tensor, layer, scaling: float, window: int | N
     if getattr(layer, "compact", None) is not None:  # kvpack.compact_cache.CompactLayer: codes as stored
         from .compact_cache import kernel_runs_on
 
-        if window is None and kernel_runs_on(query.device):
+        if window is None and layer.kernel_problem is None and kernel_runs_on(query.device):
             return layer.compact_attention(query, scaling)
         layer = layer.materialized()
     if use_triton_for(query, window):
@@ -108,11 +108,11 @@ def _packed_attention_flash(query, layer, scaling):
 
 
 def triton_decode(query: torch.Tensor, layer, scaling: float, validate: bool = False) -> torch.Tensor:
-    """One decode token through the Triton varlen kernel (``kernels.varlen_decode_triton``): the layer's packed
+    """One decode token through the Triton varlen kernel (``kvpack.kernels.varlen_decode_triton``): the layer's packed
     rows are its full-precision segment (offsets ``layer.offsets``, biases ``layer.biases``), the tail its dense
     segment. ``query``: ``[1, heads, 1, head_dim]``; returns ``[1, 1, heads, head_dim_v]``. Raises what the
     launcher raises for shapes or dtypes it cannot take (``ValueError``, ``TypeError``)."""
-    from kernels import varlen_decode_triton
+    from .kernels import varlen_decode_triton
 
     out = varlen_decode_triton(query[0, :, 0], layer.kept_keys, layer.kept_values, layer.offsets, layer.keys[0],
                                layer.values[0], scaling, fp_biases=layer.biases, validate=validate)
@@ -120,9 +120,9 @@ def triton_decode(query: torch.Tensor, layer, scaling: float, validate: bool = F
 
 
 def compact_kernel_args(entries, dtype: torch.dtype, device) -> dict:
-    """The arguments of ``kernels.compact_decode_triton`` for one compact-layout layer (``format/SPEC.md`` §5.6),
-    except ``q``, the tail and ``scale``: its full-precision rows (``entries.keys`` / ``values`` in ``dtype``, with
-    per-head offsets), its body rows' codes and parameters as stored (no dequantization), the per-head body row
+    """The arguments of ``kvpack.kernels.compact_decode_triton`` for one compact-layout layer (``format/SPEC.md``
+    §5.6), except ``q``, the tail and ``scale``: its full-precision rows (``entries.keys`` / ``values`` in
+    ``dtype``, with per-head offsets), its body rows' codes and parameters as stored (no dequantization), the per-head body row
     and key group offsets, and its biases split between the two (``fp_biases``, ``q_biases``).
 
     Raises ``InputError`` if the layer is not in the compact layout.

@@ -277,6 +277,11 @@ def test_reservoir_split_is_computed_once_and_holds_out_rows_from_the_whole_pool
     assert ids_held.max() - ids_held.min() > 1500  # spread over the pool
     r.append((torch.full((2, 10, 1), -1.0), 1.0))
     assert r.split()[0].shape[1] + r.split()[1].shape[1] == 2020
+    eight = r.split(8)
+    r.split(4)
+    assert torch.equal(r.split(8)[0], eight[0])  # another held-out size leaves the pool as it was
+    r.parts.extend([torch.zeros(1, 5, 1)])  # "both" pools another reservoir's parts this way
+    assert r.split()[0].shape[1] + r.split()[1].shape[1] == 2025
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -241,6 +241,8 @@ def test_method_label_names_changed_parameters_and_survives_hostile_headers():
     assert method_label(["am"], {}) == "?" and method_label("", {"a": 1}) == "?"
     assert method_label("not-a-method", {"a": 1}) == "not-a-method"
     assert method_label("am", {"reference": ["both"], 3: 4, "queries": {"x": 1}}) == "am"
+    assert method_label("am", {"reference": "both\x1b[31m\nX"}) == "am"  # no control characters in the table
+    assert method_label("am", {"on_policy": 0}) == "am[on_policy=0]"  # not the default False
 
 
 @pytest.mark.parametrize("args, message", [
@@ -258,7 +260,7 @@ def test_build_refuses_options_the_method_does_not_take(docs, models, tmp_path, 
     assert not (tmp_path / "out" / "alpha.kvpack").exists()
 
 
-def test_build_quantized_packs_and_info_shows_quantization_and_errors(models, tmp_path):
+def test_build_quantized_packs_and_info_shows_quantization_and_errors(models, tmp_path, monkeypatch):
     out = tmp_path / "packs"
     (tmp_path / "alpha.txt").write_text(TEXT * 3, encoding="utf-8")  # long enough for several groups per head
     base = ["build", str(tmp_path / "alpha.txt"), "--model", models["llama"], "--device", "cpu", "--chunk-size",
@@ -292,9 +294,16 @@ def test_build_quantized_packs_and_info_shows_quantization_and_errors(models, tm
     res = _run(["ask", str(out / "alpha.kvpack"), "What is the secret code of Alice?", "--model", models["llama"],
                 "--device", "cpu", "--max-new-tokens", "4"])
     assert res.stdout.endswith("\n")
+    from kvpack import kernels
+    from kvpack.compact_cache import CompactLayer
+
+    monkeypatch.setattr(kernels, "INTERPRETED", False)  # the exact per-call path on CPU, even under the interpreter
+    made = []
+    init = CompactLayer.__init__
+    monkeypatch.setattr(CompactLayer, "__init__", lambda self, *a, **k: made.append(1) or init(self, *a, **k))
     fly = _run(["ask", str(out / "alpha.kvpack"), "What is the secret code of Alice?", "--model", models["llama"],
                 "--device", "cpu", "--max-new-tokens", "4", "--dequantize", "on-the-fly"])
-    assert fly.stdout == res.stdout  # the codes kept in memory answer as the dequantized rows do
+    assert made and fly.stdout == res.stdout  # the codes kept in memory answer as the dequantized rows do
     # SHA-256 checksums: the same compact layout; another checksum rebuilds
     assert _status(_run(base + ["--quant", "int4", "--checksum", "sha256"])) == {"alpha": "replaced"}
     info = _run(["info", str(out / "alpha.kvpack")]).stdout

@@ -421,15 +421,21 @@ def test_on_the_fly_cache_answers_as_the_at_load_cache_and_holds_fewer_bytes(arc
     from kvpack.compact_cache import CompactLayer
     from kvpack.generation import question_input_ids
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # tests/test_kernels.py sets it for the interpreter
+    from kvpack import kernels
+
+    monkeypatch.setattr(kernels, "INTERPRETED", False)  # the per-call dequantization, even under the interpreter
     model, tok = tiny_model(arch, dtype=torch.bfloat16 if arch == "qwen3" else torch.float32)
     pack = kvpack.compress(model, tok, TEXT * 3, ratio=0.4, chunk_size=64, quant="int4")
     path = tmp_path / "ctx.kvpack"
     kvpack.save(pack, path)
     at_load = kvpack.load(path, model)
     on_the_fly = kvpack.load(path, model, dequantize="on-the-fly")
-    quantized = [i for i, e in enumerate(load_pack(path).layers) if e.quant is not None]
+    from kvpack.model import model_spec
+
+    sliding = model_spec(model).sliding_layers  # laid out at load either way (the kernel applies no window)
+    quantized = [i for i, e in enumerate(load_pack(path).layers) if e.quant is not None and i not in sliding]
     assert quantized and all(isinstance(on_the_fly.layers[i], CompactLayer) for i in quantized)
+    assert not any(isinstance(on_the_fly.layers[i], CompactLayer) for i in sliding)
     assert on_the_fly.kept_entries().tolist() == at_load.kept_entries().tolist()
     for i in quantized:
         layer = on_the_fly.layers[i]
@@ -455,7 +461,7 @@ def test_on_the_fly_is_refused_where_the_kernel_cannot_read_the_layer(monkeypatc
     """On CUDA a layer the kernel cannot read (no triton, a group size or value width it does not take) is an
     ``InputError`` at load naming ``dequantize='at-load'``, not a failure in the middle of ``generate``; on CPU
     every layer is accepted. A bad ``dequantize`` value is refused."""
-    import kernels
+    from kvpack import kernels
     from kvpack.cache import KvpackCache
     from kvpack.compact_cache import check_on_the_fly, compact_layout_problem
 
@@ -471,3 +477,28 @@ def test_on_the_fly_is_refused_where_the_kernel_cannot_read_the_layer(monkeypatc
         check_on_the_fly(entries, torch.device("cuda"), 0)
     with pytest.raises(InputError, match="dequantize must be one of at-load, on-the-fly"):
         KvpackCache.from_pack(Pack(torch.arange(64), [entries], 2, {}), dequantize="lazy")
+
+
+def test_on_the_fly_leaves_sliding_layers_and_unreadable_layouts_to_the_dequantized_path(monkeypatch):
+    """A sliding-window layer is laid out at load even with ``dequantize="on-the-fly"`` (the kernel applies no
+    window); a layout the kernel cannot read (group size 24) stays compact on CPU but is never sent to the kernel,
+    even where the kernel runs: it is dequantized per call, and answers as at load."""
+    from kvpack.cache import KvpackCache, PackedLayer
+    from kvpack.compact_cache import CompactLayer
+    from kvpack.varlen import packed_attention
+
+    entries = quantize_layer(_layer([40, 3, 21], seed=0), 2, "int4", 24, None)
+    pack = Pack(torch.arange(64), [entries, entries], 2, {})
+    cache = KvpackCache.from_pack(pack, sliding_layers=(1,), dequantize="on-the-fly")
+    assert isinstance(cache.layers[0], CompactLayer) and cache.layers[0].kernel_problem.startswith("group size 24")
+    assert type(cache.layers[1]) is PackedLayer
+    at_load = KvpackCache.from_pack(pack).layers[0]
+    from kvpack import kernels
+
+    monkeypatch.setattr(kernels, "INTERPRETED", True)  # "the kernel runs here" (the layer never reaches it)
+    gen = torch.Generator().manual_seed(3)
+    for layer in (cache.layers[0], at_load):
+        gen.manual_seed(3)
+        layer.update(torch.randn(1, 3, 2, 8, generator=gen), torch.randn(1, 3, 2, 8, generator=gen))
+    query = torch.randn(1, 6, 2, 8, generator=gen)
+    assert torch.equal(packed_attention(query, cache.layers[0], 0.35), packed_attention(query, at_load, 0.35))

@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kernels  # noqa: E402
-from kernels import reference as ref  # noqa: E402
+from kvpack import kernels  # noqa: E402
+from kvpack.kernels import reference as ref  # noqa: E402
 from kvpack.varlen import _packed_attention_torch, packed_attention  # noqa: E402
 
 

@@ -41,8 +41,10 @@ class QueryReservoir:
     ``[heads, q, head_dim]`` after q-norm and RoPE. The query heads of a GQA group are pooled (head ``j`` serves KV
     head ``j // group``), and each call keeps at most ``cap`` rows per KV head (a seeded random subset, the same
     rows for every KV head), so memory stays bounded on long contexts. ``split`` then takes ``cap`` rows of the
-    whole pool (again seeded) and holds out a seeded random subset of them; it is computed once (until the next
-    ``append``), so the selection (``selection="rms"``) and the fit see the same split.
+    whole pool (again seeded) and holds out a seeded random subset of them. The pool and the split are computed
+    once per set of recorded parts (a new part, appended or extended, makes new ones), so the selection
+    (``selection="rms"``) and the fit see the same split whatever the number of calls; the tensors ``split``
+    returns are that cache: read them, do not modify them.
     """
 
     def __init__(self, kv_heads: int, cap: int, seed: int = QUERY_SEED):
@@ -50,7 +52,9 @@ class QueryReservoir:
         self.parts: list[torch.Tensor] = []
         self.scaling: float | None = None
         self.generator = torch.Generator().manual_seed(seed)
-        self._split: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # (held_out, (fit, held))
+        # cached (number of parts, pool) and ((held_out, number of parts), (fit, held)): see split
+        self._pool: tuple[int, torch.Tensor] | None = None
+        self._split: tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def append(self, item: tuple[torch.Tensor, float]) -> None:
         """Add one attention call's ``(query [heads, q, head_dim], scaling)``."""
@@ -58,7 +62,6 @@ class QueryReservoir:
         heads, q, d = query.shape
         pooled = query.reshape(self.kv_heads, (heads // self.kv_heads) * q, d)
         self.parts.append(self._subsample(pooled).float())
-        self._split = None
 
     def _subsample(self, pooled: torch.Tensor) -> torch.Tensor:
         n = pooled.shape[1]
@@ -73,13 +76,16 @@ class QueryReservoir:
         was recorded."""
         if not self.parts:
             raise RuntimeError("no reference queries were recorded (the repeat pass did not run)")
-        if self._split is None or self._split[0] != held_out:
-            pool = self._subsample(torch.cat(self.parts, dim=1))
+        if self._pool is None or self._pool[0] != len(self.parts):  # subsampled once per set of parts
+            self._pool = len(self.parts), self._subsample(torch.cat(self.parts, dim=1))
+        if self._split is None or self._split[0] != (held_out, len(self.parts)):
+            pool = self._pool[1]
             n = pool.shape[1]
             held = min(held_out, n // 8)
             # held-out rows drawn at random (not the pool's first rows: those are one query head's first positions)
             order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + 1)).to(pool.device)
-            self._split = held_out, (pool[:, order[held:].sort().values], pool[:, order[:held].sort().values])
+            self._split = (held_out, len(self.parts)), (pool[:, order[held:].sort().values],
+                                                        pool[:, order[:held].sort().values])
         return self._split[1]
 
 
@@ -203,8 +209,8 @@ class AttentionMatching(KVzip):
         return keep if self.selection == "kvzip" else self.reselect_within_heads(keep, prefill)
 
     def reselect_within_heads(self, keep: torch.Tensor, prefill: Prefill) -> torch.Tensor:
-        """``keep`` ``[layers, kv_heads, context]`` bool with each head's count unchanged and its entries re-chosen
-        by the highest RMS attention over the reference queries (``selection="rms"``, the paper's
+        """``keep`` ``[compressed layers, kv_heads, context]`` bool with each head's count unchanged and its entries
+        re-chosen by the highest RMS attention over the reference queries (``selection="rms"``, the paper's
         ``score_method="rms"``). Needs ``score()`` first (the recorded queries)."""
         rms = torch.stack([self._rms_scores(prefill, i) for i in range(keep.shape[0])])
         layers, heads, n = keep.shape
