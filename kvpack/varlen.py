@@ -122,8 +122,8 @@ def triton_decode(query: torch.Tensor, layer, scaling: float, validate: bool = F
 def compact_kernel_args(entries, dtype: torch.dtype, device) -> dict:
     """The arguments of ``kvpack.kernels.compact_decode_triton`` for one compact-layout layer (``format/SPEC.md``
     §5.6), except ``q``, the tail and ``scale``: its full-precision rows (``entries.keys`` / ``values`` in
-    ``dtype``, with per-head offsets), its body rows' codes and parameters as stored (no dequantization), the per-head body row
-    and key group offsets, and its biases split between the two (``fp_biases``, ``q_biases``).
+    ``dtype``, with per-head offsets), its body rows' codes and parameters as stored (no dequantization), the
+    per-head body row and key group offsets, and its biases split between the two (``fp_biases``, ``q_biases``).
 
     Raises ``InputError`` if the layer is not in the compact layout.
     """
