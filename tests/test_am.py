@@ -18,7 +18,8 @@ from kvpack.fileformat import load_pack, pack_to_bytes
 from kvpack.generation import question_input_ids
 from kvpack.methods import get_method
 from kvpack.methods.am import QueryReservoir
-from kvpack.methods.am_fit import attention_output, context_attention, fit_head, least_squares, nnls_box
+from kvpack.methods.am_fit import (attention_output, context_attention, fit_head, least_squares, nnls_box,
+                                   rms_attention)
 from kvpack.layout import chat_layout
 from kvpack.model import model_spec
 from kvpack.prefill import prefill
@@ -112,6 +113,17 @@ def test_context_attention_is_softmax_attention_with_its_log_sum_exp(dv):
     logits = (Q.double() @ K.double().T) * 0.3
     torch.testing.assert_close(lse.double(), logits.logsumexp(-1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.double(), logits.softmax(-1) @ V.double(), atol=1e-5, rtol=1e-5)
+
+
+def test_rms_attention_is_the_root_mean_square_of_the_softmax_over_queries():
+    """``selection="rms"``'s scores: sqrt(mean over queries of softmax(scaling Q K^T)^2) per key, against float64."""
+    gen = torch.Generator().manual_seed(6)
+    Q, K = torch.randn(40, 16, generator=gen) * 3, torch.randn(70, 16, generator=gen)
+    want = ((Q.double() @ K.double().T) * 0.4).softmax(-1).pow(2).mean(0).sqrt()
+    got = rms_attention(Q, K, 0.4)
+    assert got.shape == (70,) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-5)
+    assert int(got.argmax()) == int(want.argmax())
 
 
 def test_unknown_shift_is_refused():

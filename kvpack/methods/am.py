@@ -12,7 +12,7 @@ import torch
 from ..errors import InputError
 from ..pack import LayerEntries
 from ..prefill import Prefill
-from .am_fit import SHIFTS, attention_output, fit_head, relative_error
+from .am_fit import SHIFTS, attention_output, fit_head, relative_error, rms_attention
 from .base import check_bool, check_choice, check_int, top_k_rows
 from .d2o import D2O, merge_plan, merge_rows
 from .kvzip import KVzip
@@ -221,11 +221,7 @@ class AttentionMatching(KVzip):
         probability within the context (the paper's ``score_method="rms"``)."""
         fit, _, scaling = self._reference(i)
         keys = prefill.keys[prefill.spec.compressed_layers[i]][:, prefill.sink :].float()
-        out = []
-        for h in range(keys.shape[0]):
-            probs = ((fit[h] @ keys[h].T) * scaling).softmax(dim=-1)
-            out.append(probs.pow(2).mean(dim=0).sqrt())
-        return torch.stack(out).cpu()
+        return torch.stack([rms_attention(fit[h], keys[h], scaling) for h in range(keys.shape[0])]).cpu()
 
     @torch.inference_mode()
     def update_entries(self, prefill: Prefill, keep: torch.Tensor, layers: list[LayerEntries]) -> dict:

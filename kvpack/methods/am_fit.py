@@ -32,7 +32,7 @@ import math
 import torch
 
 __all__ = ["BETA_RANGE", "NNLS_ITERS", "RIDGE", "RIDGE_STEPS", "SHIFTS", "nnls_box", "least_squares", "HeadFit",
-           "fit_head", "context_attention", "attention_output", "relative_error"]
+           "fit_head", "context_attention", "attention_output", "relative_error", "rms_attention"]
 
 #: Per-query shifts of the mass matching (``fit_head``'s ``shift``; module docstring).
 SHIFTS = ("lse", "max")
@@ -191,6 +191,17 @@ def context_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.T
     logits = (q @ k.T) * scaling
     lse = logits.logsumexp(dim=-1)
     return (logits - lse[:, None]).exp_() @ v, lse
+
+
+def rms_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``[T]`` float32: each key's root-mean-square attention probability over the queries,
+    ``sqrt(mean_q softmax(scaling Q K^T)[q, t]^2)`` (``queries`` ``[n, d]``, ``keys`` ``[T, d]``): the paper code's
+    ``score_method="rms"`` key selection (arXiv 2602.16284). Each query's log-sum-exp comes from one fused call
+    (``context_attention``), so the ``[n, T]`` logits are exponentiated once, as ``exp(2 (logit - lse))``."""
+    q, k = queries.float(), keys.float()
+    _, lse = context_attention(q, k, k, scaling)
+    squared = torch.matmul(q, k.T).mul_(scaling).sub_(lse[:, None]).mul_(2.0).exp_()
+    return squared.mean(dim=0).sqrt_()
 
 
 def attention_output(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
