@@ -19,15 +19,11 @@ As in ``varlen_decode.py``, keys are never dequantized: within a group ``q . k_h
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .varlen_decode import LOG2E, _combine_kernel, _default_splits, _dot, _online_update
-
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # as triton.jit read it at import
+from .varlen_decode import _INTERPRETED, LOG2E, _combine_kernel, _default_splits, _dot, _online_update
 
 
 @triton.jit

@@ -78,17 +78,10 @@ class PackedLayer(CacheLayerMixin):
                                            for t in (keys, values, positions, biases))
         self.kept_keys, self.kept_values, self.kept_positions = keys, values, positions.long()
         self.biases = None if biases is None else biases.float()
-        self.head_lengths = lengths
-        starts = [0]
-        for m in lengths:
-            starts.append(starts[-1] + m)
-        self.row_starts = starts
-        self.offsets = torch.tensor(starts, dtype=torch.int64, device=keys.device)
+        self._index_heads(lengths, keys.device)
         heads = len(lengths)
         self.keys = keys.new_empty(1, heads, 0, keys.shape[-1])
         self.values = values.new_empty(1, heads, 0, values.shape[-1])
-        self.kept = max(lengths)
-        self.dense = min(lengths) == self.kept
         self.original_length = int(original_length)
         self.is_sliding = sliding
         self.is_initialized = True
@@ -100,6 +93,17 @@ class PackedLayer(CacheLayerMixin):
         #: function appends ``(query [heads, q, head_dim], scaling)`` of every call; ``None`` otherwise.
         self.queries: list | None = None
         self._head_views: list | None = None
+
+    def _index_heads(self, lengths: list[int], device) -> None:
+        """Set ``head_lengths``, ``row_starts``, ``offsets`` (on ``device``), ``kept`` and ``dense`` from the
+        per-head entry counts."""
+        starts = [0]
+        for m in lengths:
+            starts.append(starts[-1] + m)
+        self.head_lengths, self.row_starts = lengths, starts
+        self.offsets = torch.tensor(starts, dtype=torch.int64, device=device)
+        self.kept = max(lengths)
+        self.dense = min(lengths) == self.kept
 
     @property
     def tail_length(self) -> int:

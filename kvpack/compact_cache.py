@@ -96,13 +96,7 @@ class CompactLayer(PackedLayer):
                          sliding)
         self.compact = compact_kernel_args(entries, dtype, device)  # InputError unless compact
         self.entries = entries
-        self.head_lengths = lengths
-        self.row_starts = [0]
-        for n in lengths:
-            self.row_starts.append(self.row_starts[-1] + n)
-        self.offsets = torch.tensor(self.row_starts, dtype=torch.int64, device=device)
-        self.kept = max(lengths)
-        self.dense = min(lengths) == self.kept
+        self._index_heads(lengths, device)
         self.kept_positions = entries.positions.long().to(device)
         self.kept_keys = self.kept_values = self.biases = None
         #: why the compact kernel cannot read this layer (``compact_layout_problem``), or ``None``
@@ -125,10 +119,10 @@ class CompactLayer(PackedLayer):
         from .kernels import compact_decode_triton
 
         q_len, tail = query.shape[2], self.tail_length
-        outs = [compact_decode_triton(query[0, :, i], tail_keys=self.keys[0, :, : tail - q_len + i + 1],
-                                      tail_values=self.values[0, :, : tail - q_len + i + 1], scale=scaling,
-                                      **self.compact)
-                for i in range(q_len)]
+        ends = range(tail - q_len + 1, tail + 1)  # query token i sees the tail up to and including itself
+        outs = [compact_decode_triton(query[0, :, i], tail_keys=self.keys[0, :, :end],
+                                      tail_values=self.values[0, :, :end], scale=scaling, **self.compact)
+                for i, end in enumerate(ends)]
         return torch.stack(outs).unsqueeze(0)
 
     def head_rows(self, h: int):

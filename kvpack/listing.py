@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import unicodedata
 from pathlib import Path
@@ -31,14 +32,11 @@ def method_label(method: Any, params: Any) -> str:
         return "?"
     if not isinstance(params, dict) or not params:
         return method
-    from .methods import METHODS, get_method
+    from .methods import METHODS
 
     if method not in METHODS:
         return method
-    try:
-        defaults = get_method(method).params()
-    except KvpackError:  # a method whose defaults need a file (kvzip-head's head scores)
-        defaults = {}
+    defaults = _method_defaults(method)
     changed = []
     for k in sorted(k for k in params if isinstance(k, str)):
         v = params[k]
@@ -50,6 +48,17 @@ def method_label(method: Any, params: Any) -> str:
         if text.isprintable():  # a header's control characters never reach the terminal
             changed.append(f"{k}={text}")
     return f"{method}[{';'.join(changed)}]" if changed else method
+
+
+@functools.lru_cache(maxsize=None)
+def _method_defaults(method: str) -> dict:
+    """The default parameters of a known method (made once per method: ``kvpack ls`` labels every pack)."""
+    from .methods import get_method
+
+    try:
+        return get_method(method).params()
+    except KvpackError:  # a method whose defaults need a file (kvzip-head's head scores)
+        return {}
 
 
 def describe_pack(path: str | os.PathLike, header: PackHeader | None = None, *,

@@ -52,9 +52,9 @@ class QueryReservoir:
         self.parts: list[torch.Tensor] = []
         self.scaling: float | None = None
         self.generator = torch.Generator().manual_seed(seed)
-        # cached (number of parts, pool) and ((held_out, number of parts), (fit, held)): see split
+        # cached (number of parts, pool) and (held_out, (fit, held)) of that pool: see split
         self._pool: tuple[int, torch.Tensor] | None = None
-        self._split: tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._split: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def append(self, item: tuple[torch.Tensor, float]) -> None:
         """Add one attention call's ``(query [heads, q, head_dim], scaling)``."""
@@ -78,14 +78,14 @@ class QueryReservoir:
             raise RuntimeError("no reference queries were recorded (the repeat pass did not run)")
         if self._pool is None or self._pool[0] != len(self.parts):  # subsampled once per set of parts
             self._pool = len(self.parts), self._subsample(torch.cat(self.parts, dim=1))
-        if self._split is None or self._split[0] != (held_out, len(self.parts)):
+            self._split = None
+        if self._split is None or self._split[0] != held_out:
             pool = self._pool[1]
             n = pool.shape[1]
             held = min(held_out, n // 8)
             # held-out rows drawn at random (not the pool's first rows: those are one query head's first positions)
             order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + 1)).to(pool.device)
-            self._split = (held_out, len(self.parts)), (pool[:, order[held:].sort().values],
-                                                        pool[:, order[:held].sort().values])
+            self._split = held_out, (pool[:, order[held:].sort().values], pool[:, order[:held].sort().values])
         return self._split[1]
 
 
