@@ -43,7 +43,7 @@ DEQUANTIZE = ("at-load", "on-the-fly")
 def kernel_runs_on(device: torch.device | str) -> bool:
     """Whether ``kvpack.kernels.compact_decode_triton`` can run on tensors of ``device``: triton imports, and the
     device is CUDA, or CPU with the kernels made for Triton's interpreter (``kvpack.kernels.INTERPRETED``:
-    ``TRITON_INTERPRET=1`` when they were first imported)."""
+    ``TRITON_INTERPRET=1`` when they were first imported). Raises nothing."""
     from . import kernels
 
     dev = torch.device(device)
@@ -52,7 +52,8 @@ def kernel_runs_on(device: torch.device | str) -> bool:
 
 def compact_layout_problem(entries: LayerEntries) -> str | None:
     """Why ``kvpack.kernels.compact_decode_triton`` cannot read this layer's quantized rows (``None`` when it can): the
-    kernel takes group sizes that are powers of two >= 16 and a head_dim_v that is a power of two."""
+    kernel takes group sizes that are powers of two >= 16 and a head_dim_v that is a power of two. ``entries`` must
+    be quantized (``entries.quant`` set); raises nothing else."""
     q = entries.quant
     g, dv = int(q.group_size), int(entries.values.shape[1])
     if g < 16 or g & (g - 1):
@@ -64,6 +65,9 @@ def compact_layout_problem(entries: LayerEntries) -> str | None:
 
 class CompactLayer(PackedLayer):
     """A ``PackedLayer`` whose quantized body rows stay compact (module doc); ``KvpackCache.from_pack`` builds it.
+    The codes are format 1.0's compact layout (``format/SPEC.md`` §5.4: KIVI's grouping, arXiv 2402.02750 §3, with
+    per-channel key code widths), read by ``kvpack.kernels.compact_decode_triton`` (online softmax, FlashAttention
+    arXiv 2205.14135 §3.1).
 
     Args:
         entries: the pack's ``LayerEntries`` for the layer, quantized in the compact layout (CPU tensors).
@@ -146,8 +150,9 @@ class CompactLayer(PackedLayer):
 
 
 def check_on_the_fly(entries: LayerEntries, device: torch.device, index: int) -> None:
-    """Raise ``InputError`` when ``dequantize="on-the-fly"`` would decode a layer on a GPU without the kernel:
-    triton missing, or a layout the kernel cannot read. On CPU every layer is allowed (dequantized per call)."""
+    """Raise ``InputError`` (naming ``dequantize='at-load'``) when ``dequantize="on-the-fly"`` would decode layer
+    ``index`` (a quantized ``LayerEntries``) on a CUDA ``device`` without the kernel: triton missing, or a layout the
+    kernel cannot read. On CPU every layer is allowed (dequantized per call)."""
     if torch.device(device).type != "cuda":
         return
     from . import kernels

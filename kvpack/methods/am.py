@@ -211,7 +211,7 @@ class AttentionMatching(KVzip):
     def reselect_within_heads(self, keep: torch.Tensor, prefill: Prefill) -> torch.Tensor:
         """``keep`` ``[compressed layers, kv_heads, context]`` bool with each head's count unchanged and its entries
         re-chosen by the highest RMS attention over the reference queries (``selection="rms"``, the paper's
-        ``score_method="rms"``). Needs ``score()`` first (the recorded queries)."""
+        ``score_method="rms"``). Needs ``score()`` first (the recorded queries): ``RuntimeError`` otherwise."""
         rms = torch.stack([self._rms_scores(prefill, i) for i in range(keep.shape[0])])
         layers, heads, n = keep.shape
         return top_k_rows(rms.reshape(layers * heads, n), keep.sum(dim=2).reshape(-1)).view(keep.shape)

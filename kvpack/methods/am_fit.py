@@ -197,7 +197,8 @@ def rms_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> 
     """``[T]`` float32: each key's root-mean-square attention probability over the queries,
     ``sqrt(mean_q softmax(scaling Q K^T)[q, t]^2)`` (``queries`` ``[n, d]``, ``keys`` ``[T, d]``): the paper code's
     ``score_method="rms"`` key selection (arXiv 2602.16284). Each query's log-sum-exp comes from one fused call
-    (``context_attention``), so the ``[n, T]`` logits are exponentiated once, as ``exp(2 (logit - lse))``."""
+    (``context_attention``), so the ``[n, T]`` logits are exponentiated once, as ``exp(2 (logit - lse))``. Raises
+    nothing beyond torch's errors for mismatched shapes."""
     q, k = queries.float(), keys.float()
     _, lse = context_attention(q, k, k, scaling)
     squared = torch.matmul(q, k.T).mul_(scaling).sub_(lse[:, None]).mul_(2.0).exp_()
