@@ -82,6 +82,34 @@ def test_kvzip_repeat_prompts_follow_the_paper(monkeypatch):
     assert seen[1][-30:] == ctx[30:60]
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_kvzip_repeat_pass_stops_after_the_last_compressed_layers_attention(arch):
+    """The repeat pass runs every compressed layer's attention (scores match eager attention elsewhere:
+    ``test_kvzip_plus``), then ends: the last compressed layer's MLP, later layers and the final norm never run,
+    and the forward hook that ends it is removed afterwards."""
+    from kvpack.methods.kvzip import KVzip
+
+    model, tok = tiny_model(arch)
+    spec = model_spec(model)
+    layers = model.base_model.layers
+    last = spec.compressed_layers[-1]
+    calls = {}
+    hooks = [m.register_forward_hook(lambda *a, key=key: calls.__setitem__(key, calls.get(key, 0) + 1))
+             for key, m in [("attn", layers[last].self_attn), ("mlp", layers[last].mlp),
+                            ("norm", model.base_model.norm)] + [(f"after {l}", layers[l]) for l in
+                                                                   range(last + 1, len(layers))]]
+    layout = chat_layout(tok)
+    prefix = layout.prefix_ids(tok)
+    full = prefill(model, prefix + layout.encode(tok, TEXT), len(prefix), layout, spec, 512)
+    calls.clear()
+    chunks = -(-full.context_tokens // 30)
+    KVzip(chunk_size=30).score(model, tok, full)
+    assert calls == {"attn": chunks}
+    for h in hooks:
+        h.remove()
+    assert all(not layers[l].self_attn._forward_hooks for l in range(len(layers)))
+
+
 def test_stage_seconds_cover_the_build():
     """``stage_seconds`` times every stage once, and the stages add up to no more than the whole build."""
     import time

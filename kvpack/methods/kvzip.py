@@ -74,7 +74,9 @@ class KVzip(Method):
                 buffers.append(layer.scores)
             self._prepare_repeat_pass(cache, start)
             with plus_weights(model, spec, cache, grams) if self.scoring == "plus" else contextlib.nullcontext():
-                body(input_ids=torch.tensor([repeat_ids], device=device), past_key_values=cache, use_cache=True)
+                with stop_after_attention(body, spec.compressed_layers[-1]):
+                    body(input_ids=torch.tensor([repeat_ids], device=device), past_key_values=cache,
+                         use_cache=True)
             for i, buf in enumerate(buffers):
                 scores[i, :, start:stop] = buf[:, prefill.sink :]
             if progress:
@@ -99,3 +101,40 @@ class KVzip(Method):
     def _prepare_repeat_pass(self, cache, start: int) -> None:
         """Called before the repeat pass of the chunk starting at context token ``start`` with its cache (a
         ``KvpackCache``); Attention Matching records the pass's queries here. Does nothing by default."""
+
+
+
+class RepeatPassDone(Exception):
+    """Raised by ``stop_after_attention``'s hook to end a repeat pass once its last scored layer has attended."""
+
+
+@contextlib.contextmanager
+def stop_after_attention(body, layer: int):
+    """Within this context, a forward of ``body`` (a model's ``base_model``) ends right after layer ``layer``'s
+    attention module returns: the module's forward hook raises ``RepeatPassDone``, which this context swallows.
+
+    The repeat pass needs each compressed layer's attention probabilities (and Attention Matching its queries),
+    never its output, so the output projection and MLP of the last compressed layer, every later layer and the
+    final norm are skipped (1/L of the pass's MLP and projections on an L-layer model). A model whose layers are
+    not at ``body.layers[layer].self_attn`` runs whole.
+    """
+    layers = getattr(body, "layers", None)
+    attn = None
+    if isinstance(layers, torch.nn.ModuleList) and 0 <= layer < len(layers):
+        attn = getattr(layers[layer], "self_attn", None)
+    if not isinstance(attn, torch.nn.Module):
+        yield
+        return
+    token = object()
+
+    def hook(module, args, output):
+        raise RepeatPassDone(token)
+
+    handle = attn.register_forward_hook(hook)
+    try:
+        yield
+    except RepeatPassDone as exc:
+        if not exc.args or exc.args[0] is not token:
+            raise
+    finally:
+        handle.remove()
