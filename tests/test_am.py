@@ -228,6 +228,40 @@ def test_continuation_queries_on_every_architecture(arch):
     assert fit["queries"] + fit["held_out"] > 0
 
 
+def _whole_layer(full, l, drop_every=0):
+    """``LayerEntries`` of every entry of prefill layer ``l`` (or, with ``drop_every = k``, without every k-th
+    context entry of each head)."""
+    from kvpack.pack import LayerEntries
+
+    heads, tokens = full.keys[l].shape[:2]
+    keep = torch.ones(tokens, dtype=torch.bool)
+    if drop_every:
+        keep[full.sink :: drop_every] = False
+        keep[: full.sink] = True
+    pos = full.positions[l][keep].to(torch.int32)
+    return LayerEntries(full.keys[l][:, keep].reshape(-1, full.keys[l].shape[-1]),
+                        full.values[l][:, keep].reshape(-1, full.values[l].shape[-1]), pos.repeat(heads),
+                        torch.full((heads,), int(keep.sum()), dtype=torch.int64))
+
+
+def test_on_policy_queries_are_the_repeat_pass_queries_once_earlier_layers_are_compacted():
+    """Layer 1's on-policy queries equal its off-policy (repeat-pass) queries when layer 0 keeps every entry, and
+    differ when layer 0 has evicted some: the pass really runs over the compacted layer 0."""
+    from kvpack.methods.am_policy import on_policy_queries
+
+    full, _, scorer = _reference_pools("llama")
+    assert full.spec.compressed_layers[:2] == (0, 1)
+    off = torch.cat(scorer._reservoirs[1].parts, dim=1)
+    layers = [_whole_layer(full, 0), None]
+    model, tok = tiny_model("llama")
+    same = on_policy_queries(scorer, model, tok, full, layers, 1, QueryReservoir(full.spec.num_kv_heads, 100_000))
+    torch.testing.assert_close(torch.cat(same.parts, dim=1), off, rtol=1e-5, atol=1e-5)
+    layers[0] = _whole_layer(full, 0, drop_every=3)
+    other = on_policy_queries(scorer, model, tok, full, layers, 1, QueryReservoir(full.spec.num_kv_heads, 100_000))
+    moved = torch.cat(other.parts, dim=1)
+    assert moved.shape == off.shape and not torch.allclose(moved, off, atol=1e-3)
+
+
 def test_on_policy_needs_the_repeat_reference():
     with pytest.raises(InputError, match="on-policy"):
         get_method("am", on_policy=True, reference="both")

@@ -9,6 +9,7 @@ import torch
 from ..cache import PackedLayer
 from ..pack import LayerEntries
 from ..prefill import Prefill
+from .kvzip import stop_after_attention
 
 __all__ = ["on_policy_queries", "compacted_chunk_layer"]
 
@@ -17,7 +18,8 @@ __all__ = ["on_policy_queries", "compacted_chunk_layer"]
 def on_policy_queries(method, model, tokenizer, prefill: Prefill, layers: list[LayerEntries], i: int, reservoir):
     """Fill ``reservoir`` (a ``QueryReservoir``) with compressed layer ``i``'s queries of every repeat chunk
     (``method.repeat_inputs``), layers ``spec.compressed_layers[:i]`` holding their compacted ``layers`` entries
-    (``compacted_chunk_layer``), the others as in KVzip's pass. Returns ``reservoir``."""
+    (``compacted_chunk_layer``), the others as in KVzip's pass; each pass ends after layer ``i``'s attention
+    (``kvzip.stop_after_attention``). Returns ``reservoir``."""
     spec, sink = prefill.spec, prefill.sink
     device = prefill.keys[0].device
     done = spec.compressed_layers[:i]
@@ -27,7 +29,9 @@ def on_policy_queries(method, model, tokenizer, prefill: Prefill, layers: list[L
             cache.layers[l] = compacted_chunk_layer(layers[l], sink, sink + start, sink + stop, prefill.tokens,
                                                     device)
         cache.layers[spec.compressed_layers[i]].queries = reservoir
-        model.base_model(input_ids=torch.tensor([repeat_ids], device=device), past_key_values=cache, use_cache=True)
+        with stop_after_attention(model.base_model, spec.compressed_layers[i]):  # later layers are not needed
+            model.base_model(input_ids=torch.tensor([repeat_ids], device=device), past_key_values=cache,
+                             use_cache=True)
     return reservoir
 
 
