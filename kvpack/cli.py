@@ -30,7 +30,7 @@ from .errors import InputError, KvpackError
 from .fileformat import load_pack, read_header
 from .generation import answer
 from .listing import describe_pack, info_text, list_packs, method_label, verify_report
-from .listing import table as _table
+from .listing import printable, table as _table
 from .compact_cache import DEQUANTIZE
 from .loading import cache_from_pack
 from .methods import METHODS
@@ -54,7 +54,7 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except KvpackError as exc:
-            click.echo(f"error: {exc}", err=True)
+            click.echo(f"error: {printable(exc)}", err=True)  # messages may quote untrusted header strings
             ctx.exit(1)
 
 
@@ -345,7 +345,7 @@ def info(files, as_json, storage_option):
             failed = True
             rows.append({"file": str(file), "error": str(exc)})
             if not as_json:
-                click.echo(f"error: {exc}", err=True)
+                click.echo(f"error: {printable(exc)}", err=True)
     if as_json:
         click.echo(json.dumps(rows, indent=1, ensure_ascii=False))
     if failed:
@@ -386,7 +386,7 @@ def verify(files, model_name, as_json, device, dtype, storage_option):
             if r.get("fits_model"):
                 click.echo(f"OK: {r['file']} fits model {model_name} (architecture, weights and tokenizer match)")
         else:
-            click.echo(f"error: {r['error']}", err=True)
+            click.echo(f"error: {printable(r['error'])}", err=True)
     if as_json:
         click.echo(json.dumps(reports, indent=1, ensure_ascii=False))
     if not all(r["ok"] for r in reports):

@@ -53,6 +53,7 @@ __all__ = [
     "quantize_compact",
     "dequantize_compact",
     "dequantize_compact_layers",
+    "dequantized_range",
     "compact_shapes",
     "compact_problem",
     "compact_values_problem",
@@ -395,6 +396,36 @@ def dequantize_compact_layers(quants: list) -> tuple[torch.Tensor, torch.Tensor,
     values.view(-1, dv // gv, gv).mul_(v_scales.unsqueeze(2)).add_(v_mins.unsqueeze(2))
     starts = np.cumsum([0] + groups[:-1], dtype=np.int64) * g
     return keys, values, torch.from_numpy(starts).view(layers, -1)
+
+
+def dequantized_range(qr) -> tuple[float, float]:
+    """The smallest and largest value the dequantization of a compact-layout ``QuantizedRows`` can produce, from its
+    group parameters and grid alone (no code is decoded): per key group and channel ``[min, min + scale x (2^w -
+    1)]`` with the channel's code width ``w`` in its head, per value group the same with the type's bits
+    (``format/SPEC.md`` §5.4; float32 arithmetic as ``dequantize_compact_layers``'s, so the bounds are attained
+    exactly when the top or bottom code is used). Linear in the parameters; ``(0.0, 0.0)`` without body rows; a
+    non-finite bound comes back as such (NaN compares false)."""
+    d = qr.key_bits.shape[1]
+    grid = qr.quant_grid.numpy().astype(np.float32)  # [3, D + Dv / Gv]
+    groups = ((qr.body_lengths + qr.group_size - 1) // qr.group_size).numpy()
+    lows, highs = [], []
+    with np.errstate(over="ignore", invalid="ignore"):
+        for part, levels, columns in (
+                (qr.key_params.numpy(), (2.0 ** np.repeat(qr.key_bits.numpy(), groups, axis=0) - 1), slice(0, d)),
+                (qr.value_params.numpy(), 2.0 ** quant_type_bits(qr.qtype) - 1, slice(d, None))):
+            if not part.shape[1]:
+                continue
+            g = grid[:, columns]
+            mins = part[0].astype(np.float32) * g[1] + g[0]
+            scales = g[2] * _CODE_MULTIPLIERS[part[1]]
+            tops = np.float32(levels) * scales + mins  # float32 multiply, then add: the decoder's own roundings
+            lows.append(float(mins.min()))
+            highs.append(float(tops.max()))
+    if not lows:
+        return 0.0, 0.0
+    if any(x != x for x in lows + highs):
+        return float("nan"), float("nan")
+    return min(lows), max(highs)
 
 
 def _group_params(group_min: torch.Tensor, group_max: torch.Tensor, levels: torch.Tensor):

@@ -27,6 +27,7 @@ Which of the two placements decodes faster on a GPU is measured by ``tools/gpu_m
 
 from __future__ import annotations
 
+import dataclasses
 
 import torch
 
@@ -98,6 +99,7 @@ class CompactLayer(PackedLayer):
         super().__init__(torch.empty(0, d, dtype=dtype, device=device), torch.empty(0, dv, dtype=dtype, device=device),
                          torch.empty(0, dtype=torch.int64, device=device), [0] * len(lengths), original_length,
                          sliding)
+        entries = _owned(entries)  # not views of the file's memory map: a file changed after load cannot reach it
         self.compact = compact_kernel_args(entries, dtype, device)  # InputError unless compact
         self.entries = entries
         self._index_heads(lengths, device)
@@ -147,6 +149,21 @@ class CompactLayer(PackedLayer):
         parts = [t for t in self.compact.values() if torch.is_tensor(t)]
         parts += [self.kept_positions, self.offsets, self.keys, self.values]
         return sum(t.numel() * t.element_size() for t in parts)
+
+
+def _owned(entries: LayerEntries) -> LayerEntries:
+    """A copy of ``entries`` whose tensors own their memory. A loaded pack's tensors are copy-on-write views of the
+    file's memory map; the at-load layout copies them anyway, and this does the same for the compact codes (a few
+    MB), so a file truncated or rewritten after the load can neither crash the process (SIGBUS) nor change the
+    cache."""
+    quant = entries.quant
+    if quant is not None:
+        quant = dataclasses.replace(quant, **{f.name: getattr(quant, f.name).clone()
+                                              for f in dataclasses.fields(quant)
+                                              if torch.is_tensor(getattr(quant, f.name))})
+    return dataclasses.replace(entries, keys=entries.keys.clone(), values=entries.values.clone(),
+                               positions=entries.positions.clone(), head_lengths=entries.head_lengths.clone(),
+                               quant=quant, biases=None if entries.biases is None else entries.biases.clone())
 
 
 def check_on_the_fly(entries: LayerEntries, device: torch.device, index: int) -> None:

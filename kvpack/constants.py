@@ -215,6 +215,10 @@ ATTN_BIAS = "attn_bias"
 #: Attention biases must be finite and lie in ``[-MAX_ATTN_BIAS, MAX_ATTN_BIAS]`` (exp(30) ~ 1e13: any larger
 #: bias would swamp every other logit in float16/bfloat16 arithmetic).
 MAX_ATTN_BIAS = 30.0
+#: A loaded key or value must be finite and at most this in magnitude (float16's largest finite value, so every KV
+#: dtype a file may use holds every accepted entry; real caches stay orders of magnitude below it). Larger or
+#: non-finite entries would only turn attention into NaN (``kvpack.loading.check_kv_range``).
+MAX_KV_ABS = 65504.0
 LAYER_PARTS = (KEYS, VALUES, POSITIONS)
 #: Sections reported by ``PackHeader.bytes_by_section``.
 SECTION_HEADER = "header"

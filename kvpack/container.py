@@ -17,6 +17,7 @@ import math
 import os
 import re
 import secrets
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +30,8 @@ from .source import RECOPY, REBUILD, Source
 from .errors import (ChecksumMismatchError, CorruptFileError, InputError, NotAKvpackFileError, TruncatedFileError,
                      UnsupportedVersionError)
 
-__all__ = ["TensorCodec", "TensorInfo", "Container", "parse_header", "parse_json_text", "json_depth", "canonical",
-           "check_tensor", "tensor_bytes", "container_bytes", "write_atomic", "remove_stale_temps"]
+__all__ = ["TensorCodec", "TensorInfo", "Container", "parse_header", "parse_json_text", "has_lone_surrogate",
+           "json_depth", "canonical", "check_tensor", "tensor_bytes", "container_bytes", "write_atomic", "remove_stale_temps"]
 
 _UPGRADE = "upgrade kvpack (`pip install -U kvpack`)"
 _VERSION = re.compile(r"([1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})")
@@ -261,9 +262,56 @@ def parse_json_text(text: str | bytes, what: str, corrupt) -> Any:
     if json_depth(data) > C.MAX_JSON_DEPTH:
         raise corrupt(f"{what} nests JSON deeper than {C.MAX_JSON_DEPTH} levels")
     try:
-        return json.loads(data, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        obj = json.loads(data, object_pairs_hook=_unique_keys, parse_constant=_no_constant, parse_float=_finite_float,
+                         parse_int=_binary64_int)
     except (ValueError, RecursionError) as exc:  # RecursionError cannot happen below MAX_JSON_DEPTH; kept as a guard
         raise corrupt(f"{what} is not valid JSON ({str(exc)[:160] or type(exc).__name__})") from None
+    if has_lone_surrogate(obj):
+        raise corrupt(f"{what} holds a lone UTF-16 surrogate (U+D800-U+DFFF unpaired): not Unicode text")
+    return obj
+
+
+def _finite_float(token: str) -> float:
+    """A JSON number with a fraction or exponent; one beyond the binary64 range (``1e400``) is refused
+    (``format/SPEC.md`` §4.1), where ``float`` would give infinity."""
+    value = float(token)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {token[:40]} is outside the binary64 range")
+    return value
+
+
+#: The largest integer within the binary64 range.
+_MAX_BINARY64_INT = int(sys.float_info.max)
+
+
+def _binary64_int(token: str) -> int:
+    """A JSON integer; one beyond the binary64 range (``10**400``) is refused (``format/SPEC.md`` §4.1). Python
+    refuses integers of more than 4,300 digits itself (``ValueError``), so the conversion stays linear."""
+    value = int(token)
+    if abs(value) > _MAX_BINARY64_INT:
+        raise ValueError(f"the integer {token[:40]}... is outside the binary64 range")
+    return value
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def has_lone_surrogate(obj: Any) -> bool:
+    """Whether a parsed JSON value holds, in any string or object key, a UTF-16 surrogate code point. ``json``
+    joins an escaped pair (``\\ud83d\\ude00``) into one character, so what remains is unpaired: text that cannot be
+    encoded, printed or tokenized. Iterative, linear in the value's size."""
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if type(x) is str:
+            if _SURROGATE.search(x):
+                return True
+        elif type(x) is dict:
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif type(x) is list:
+            stack.extend(x)
+    return False
 
 
 def _entry_problem(entry: Any) -> str | None:

@@ -235,7 +235,7 @@ def _json_field(meta: dict, key: str, kind: type, where: str):
         raise InputError(f"{where}: metadata field {key!r} is missing")
     try:
         value = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise InputError(f"{where}: metadata field {key!r} is not JSON") from None
     if not isinstance(value, kind):
         raise InputError(f"{where}: metadata field {key!r} must be a JSON {kind.__name__}")

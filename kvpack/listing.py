@@ -19,7 +19,7 @@ from . import storage
 from .fileformat import PackHeader, load_pack, read_header, verify
 from .manifest import read_manifest
 
-__all__ = ["describe_pack", "list_packs", "verify_report", "info_text", "table", "pairs", "method_label"]
+__all__ = ["describe_pack", "list_packs", "verify_report", "info_text", "table", "pairs", "printable", "method_label"]
 
 
 def method_label(method: Any, params: Any) -> str:
@@ -201,7 +201,7 @@ def info_text(file: str | os.PathLike, *, storage_options: dict | None = None) -
     sec_rows = [(name, f"{n:,}", f"{100 * n / max(1, header.file_bytes):.1f}%") for name, n in sections.items()]
     sec_rows.append(("total", f"{header.file_bytes:,}", "100.0%"))
     out.append(table(("section", "bytes", "share"), sec_rows, right=(1, 2), indent="  "))
-    return "\n".join(out)
+    return "\n".join(printable(line) for line in "\n".join(out).split("\n"))  # tables and pairs already are
 
 
 def _fit_lines(fit, compressed: list[int]) -> list[str]:
@@ -220,7 +220,12 @@ def _fit_lines(fit, compressed: list[int]) -> list[str]:
 
 
 def _num(x) -> str:
-    return f"{x:.4g}" if isinstance(x, (int, float)) and not isinstance(x, bool) else "?"
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return "?"
+    try:
+        return f"{x:.4g}"
+    except OverflowError:  # an integer beyond the float range (a hostile header)
+        return "?"
 
 
 def _quantization(header, pack) -> str:
@@ -243,7 +248,11 @@ def _kept(pack, stats: dict) -> str:
     total = f"{pack.kept_entries():,} stored"
     kept, entries = stats.get("context_entries_kept"), stats.get("context_entries")
     if isinstance(kept, int) and isinstance(entries, int) and entries:
-        return f"{total}; context: {kept:,} of {entries:,} ({100 * kept / entries:.1f}%), sink always kept"
+        try:
+            share = f"{100 * (kept / entries):.1f}%"
+        except OverflowError:  # integers too large for a float (a hostile header)
+            share = "?"
+        return f"{total}; context: {kept:,} of {entries:,} ({share}), sink always kept"
     return total
 
 
@@ -284,15 +293,28 @@ def _short(digest) -> str:
     return f"{digest[:12]}..." if isinstance(digest, str) and len(digest) > 12 else str(digest or "-")
 
 
+def printable(text: Any) -> str:
+    """``str(text)`` with every character a terminal could act on (control characters such as ESC, DEL, C1 codes,
+    and other non-printable ones such as bidirectional overrides; newlines too) written as its Python escape
+    (``\\x1b``, ``\\u202e``): header strings are untrusted and must not clear a screen or retitle a window."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def pairs(rows) -> str:
-    """``key  value`` lines, keys padded to one width."""
+    """``key  value`` lines, keys padded to one width; every key and value through ``printable``."""
+    rows = [(printable(k), printable(v)) for k, v in rows]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 def table(headers, rows, *, right=(), indent: str = "") -> str:
     """A plain-text table: ``headers`` then ``rows``, columns padded (those in ``right`` right-aligned) to their
-    width on a terminal (East Asian wide characters count two columns)."""
+    width on a terminal (East Asian wide characters count two columns); every cell through ``printable``."""
+    headers = [printable(h) for h in headers]
+    rows = [[printable(c) for c in r] for r in rows]
     cols = list(zip(headers, *rows))
     widths = [max(_width(str(c)) for c in col) for col in cols]
 

@@ -11,23 +11,29 @@ from .attention import use_kvpack_attention
 from .cache import KvpackCache
 from .fileformat import load_pack
 from .fingerprint import _cached_fingerprint, check_fingerprint
-from .errors import ModelMismatchError
+from . import constants as C
+from .compact import dequantized_range
+from .errors import CorruptFileError, ModelMismatchError
 from .model import ModelSpec, model_spec
 from .pack import Pack
+from .source import REBUILD
 
-__all__ = ["load", "cache_from_pack", "check_shapes"]
+__all__ = ["load", "cache_from_pack", "check_shapes", "check_kv_range"]
 
 
 def cache_from_pack(pack: Pack, model, tokenizer=None, *, device=None, where: str = "the pack",
                     dequantize: str = "at-load") -> KvpackCache:
     """Check ``pack`` against ``model`` (and ``tokenizer`` if given) and build its ``KvpackCache``.
 
-    First the shapes (``check_shapes``: layers, KV heads, head sizes, a float KV dtype), then the fingerprint. The KV
+    First the shapes (``check_shapes``: layers, KV heads, head sizes, a float KV dtype) and the range of the KV
+    (``check_kv_range``), then the fingerprint. The KV
     is cast to the model's dtype and placed on ``device`` (default: the model's device); the model is switched to
     the ``"kvpack"`` attention. ``dequantize``: as ``KvpackCache.from_pack``'s (``"at-load"`` or ``"on-the-fly"``).
-    Raises ``ModelMismatchError`` naming both sides on any mismatch, ``InputError`` for a bad ``dequantize``.
+    Raises ``ModelMismatchError`` naming both sides on any mismatch, ``CorruptFileError`` for KV out of range,
+    ``InputError`` for a bad ``dequantize``.
     """
     check_shapes(pack, model_spec(model), model.dtype, where)
+    check_kv_range(pack, where)
     current = _cached_fingerprint(model, tokenizer)  # read only
     stored = pack.metadata.get("fingerprint", {})
     stored = dict(stored) if isinstance(stored, dict) else {}
@@ -66,6 +72,30 @@ def check_shapes(pack: Pack, spec: ModelSpec, dtype: torch.dtype, where: str = "
     if diffs:
         raise ModelMismatchError(f"{where} does not fit this model ({'; '.join(diffs)}); load it with the model it "
                                  "was built for, or rebuild it with `kvpack build --model ...`")
+
+
+def check_kv_range(pack: Pack, where: str = "the pack") -> None:
+    """Check that every key and value of ``pack``, dequantized, is finite and within ``[-MAX_KV_ABS, MAX_KV_ABS]``
+    (float16's largest finite value: every dtype the cache may be cast to holds it). A file can pass every format
+    check with NaN, infinite or huge entries (or group parameters that dequantize to them), and such entries make
+    attention NaN, so sampling fails inside ``generate``; they are refused here instead. Full-precision rows are
+    scanned (``torch.aminmax``, no copy); quantized rows are bounded from their group parameters
+    (``compact.dequantized_range``), without decoding a code. Linear in the pack's bytes.
+
+    Raises:
+        CorruptFileError: naming the layer and the tensor.
+    """
+    limit = C.MAX_KV_ABS
+    for l, entries in enumerate(pack.layers):
+        ranges = [(name, t) for name, t in (("keys", entries.keys), ("values", entries.values)) if t.numel()]
+        ranges = [(name, tuple(float(x) for x in torch.aminmax(t))) for name, t in ranges]
+        if entries.quant is not None:
+            ranges.append(("quantized rows", dequantized_range(entries.quant)))
+        for name, (low, high) in ranges:
+            if not (-limit <= low and high <= limit):  # NaN compares false
+                raise CorruptFileError(f"{where}: layer {l}'s {name} hold values outside [-{limit:g}, {limit:g}] "
+                                       f"(min {low:.4g}, max {high:.4g}); a real KV cache never does, so the file "
+                                       f"is damaged or forged; {REBUILD}")
 
 
 def load(path: str | os.PathLike, model, *, device=None, tokenizer=None,

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from . import storage
+from .container import has_lone_surrogate
 from .errors import KvpackError
 
 __all__ = ["MANIFEST_NAME", "STATUSES", "FIELDS", "read_manifest", "parse_manifest", "ManifestWriter"]
@@ -40,12 +41,15 @@ FIELDS = ("pack", "source", "id", "line", "part", "parts", "status", "error", "t
 
 
 def parse_manifest(lines: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """The last valid record of each pack in manifest ``lines``, keyed by ``pack`` (invalid lines skipped)."""
+    """The last valid record of each pack in manifest ``lines``, keyed by ``pack`` (invalid lines skipped: not JSON,
+    nested past the parser's limit, holding an unpaired surrogate, or not a record)."""
     records: dict[str, dict[str, Any]] = {}
     for line in lines:
-        try:
+        try:  # a hostile line nested past the parser's recursion limit is skipped like any invalid one
             obj = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
+            continue
+        if has_lone_surrogate(obj):  # text nothing can encode or print
             continue
         if isinstance(obj, dict) and isinstance(obj.get("pack"), str) and obj.get("status") in STATUSES:
             records.pop(obj["pack"], None)  # keep file order = order of last update

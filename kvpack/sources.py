@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from . import storage
+from .container import has_lone_surrogate
 from .errors import InputError
 from .names import PACK_SUFFIX, input_base, pack_names, part_name, relative_source
 
@@ -191,6 +192,13 @@ def _jsonl_line(line: str, source: str, path: Path, number: int) -> Context:
     except json.JSONDecodeError as exc:
         return Context("", None, source, path, line=number,
                        error=f"not valid JSON ({exc.msg} at column {exc.colno}); {_JSONL_HINT}")
+    except RecursionError:
+        return Context("", None, source, path, line=number,
+                       error=f"JSON nested too deeply to parse; {_JSONL_HINT}")
+    if has_lone_surrogate(obj):
+        return Context("", None, source, path, line=number,
+                       error="holds an unpaired UTF-16 surrogate escape (\\ud800 alone), which is not text; fix the "
+                             "line's escapes")
     return _row_context(obj, source, path, number)
 
 

@@ -109,6 +109,8 @@ def test_no_two_contexts_map_to_one_pack(tmp_path):
     (['{"text": "  "}'], 'the "text" field is empty'),
     (['{"text": "a", "id": true}'], '"id" must be'),
     ([""], "the file is empty"),
+    (["[" * 100_000], "nested too deeply"),
+    (['{"text": "a\\ud800"}'], "unpaired UTF-16 surrogate"),
 ])
 def test_bad_jsonl_lines_are_marked_not_raised(tmp_path, lines, fragment):
     path = tmp_path / "d.jsonl"
@@ -431,3 +433,13 @@ def test_special_token_strings_in_a_document_are_text(tmp_path):
     context = pack.token_ids[pack.sink_tokens:].tolist()
     assert not set(context) & set(tok.all_special_ids)
     assert tok.decode(context) == text
+
+
+def test_hostile_manifest_lines_are_skipped():
+    """A line nested past the parser's recursion limit, or holding an unpaired surrogate, is skipped like any line
+    that is not a record (``kvpack ls`` and ``kvpack build`` read the manifest before anything else)."""
+    from kvpack.manifest import parse_manifest
+
+    good = json.dumps({"pack": "b.kvpack", "status": "built"})
+    records = parse_manifest(["[" * 100_000, '{"pack": "a\\ud800.kvpack", "status": "built"}', good])
+    assert list(records) == ["b.kvpack"]

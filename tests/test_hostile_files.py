@@ -66,6 +66,27 @@ def _duplicate_key() -> bytes:
     return assemble(obj, buf, sign=False, text=text[:-1] + b',"token_ids":' + canon(obj["token_ids"]) + b"}")
 
 
+def _kvpack_text(old: str, new: str, key: str, value):
+    """An edit setting ``key`` of the kvpack metadata to ``value``, then replacing ``old`` by ``new`` in its JSON
+    text (numbers such as ``1e400`` that no JSON serialiser writes)."""
+    def edit(obj):
+        set_kvpack(key, value)(obj)
+        text = obj["__metadata__"]["kvpack"]
+        assert old in text
+        obj["__metadata__"]["kvpack"] = text.replace(old, new)
+
+    return edit
+
+
+def _raw_surrogate() -> bytes:
+    """The header with a surrogate written as raw (CESU-style) UTF-8 bytes in a string, re-signed over those
+    bytes: not canonical (canonical text is ASCII) and not Unicode."""
+    obj, buf = split(GOLD)
+    obj["__metadata__"]["note"] = "SURROGATE"
+    text = canon(obj).replace(b"SURROGATE", b"\xed\xa0\x80")
+    return assemble(obj, buf, sign=False, text=text)
+
+
 def _deep(depth: int, where: str) -> bytes:
     """Nesting ``depth`` deep, in the kvpack metadata text or in the header itself (a tensor's shape)."""
     if where == "metadata":
@@ -176,6 +197,13 @@ _add("header", {
     "header nested 33 deep": (_deep(33, "header"), X),
     "metadata nested 100000 deep": (_deep(100_000, "metadata"), X),
     "metadata nested 40 deep": (_deep(40, "metadata"), X),
+    "1e400 in the kvpack metadata": (forge(_kvpack_text("0.0015", "1e400", "method_params", {"x": 0.0015})), X),
+    "-1e400 in the kvpack metadata": (forge(_kvpack_text("0.0015", "-1e400", "stats", {"x": 0.0015})), X),
+    "integer 10**400 in the kvpack metadata": (forge(set_kvpack("stats", {"x": 10**400})), X),
+    "lone surrogate in the method": (forge(set_kvpack("method", "kvzip\ud800")), X),
+    "lone surrogate in the layout": (forge(set_kvpack("layout", {**_LAYOUT, "separator": "Q\udfff: "})), X),
+    "lone surrogate in a metadata key": (forge(set_meta("note\udc00", "x")), X),
+    "raw UTF-8 surrogate in the header": (_raw_surrogate(), X),
     # __metadata__
     "metadata value not string": (forge(set_meta("kvpack", 3)), X),
     "metadata is a list": (forge(lambda o: o.update(__metadata__=["format"]), sign=False), NotAKvpackFileError),
@@ -458,3 +486,10 @@ def write_corpus(folder: Path = CORPUS, limit: int = 16 * 1024) -> int:
 
 if __name__ == "__main__":  # python -m tests.test_hostile_files: rewrite the stored corpus
     print(f"wrote {write_corpus()} hostile files to {CORPUS}", file=sys.stderr)
+
+
+def test_an_escaped_surrogate_pair_is_text_and_reads():
+    """Only unpaired surrogates are refused: an emoji (written as an escaped pair in canonical JSON) reads back."""
+    data = forge(set_kvpack("method", "kvzip \U0001f600"))
+    assert b"ud83d" in data and "\U0001f600".encode() not in data  # escaped, as canonical JSON writes it
+    assert read_header(data).metadata["method"] == "kvzip \U0001f600"
