@@ -32,7 +32,7 @@ from .generation import answer
 from .listing import describe_pack, info_text, list_packs, method_label, verify_report
 from .listing import printable, table as _table
 from .compact_cache import DEQUANTIZE
-from .loading import cache_from_pack
+from .loading import cache_from_pack, check_kv_range
 from .methods import METHODS
 from .methods.base import SCOPES
 from .methods.d2o import MERGE_MODES
@@ -359,7 +359,8 @@ def info(files, as_json, storage_option):
 @cli.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False), metavar="FILE...")
 @click.option("--model", "model_name", default=None, metavar="NAME_OR_PATH",
-              help="Also check the packs fit this model (fingerprint and tokenizer).")
+              help="Also check the packs fit this model (fingerprint and tokenizer) and would load into it (every key "
+                   "and value in range).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON (a list, one object per file).")
 @_model_options
 @_storage_options
@@ -375,6 +376,7 @@ def verify(files, model_name, as_json, device, dtype, storage_option):
         if r["ok"] and model is not None:
             try:
                 check_compatible(read_header(r["file"], storage_options=so), model, tokenizer, path=r["file"])
+                check_kv_range(load_pack(r["file"], storage_options=so), r["file"])  # what kvpack.load refuses too
                 r["fits_model"] = model_name
             except KvpackError as exc:
                 r.update(ok=False, error=str(exc))

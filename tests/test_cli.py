@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvpack.cli import cli
+from kvpack.fileformat import load_pack
 
 from .tiny import TEXT, tiny_model
 
@@ -142,6 +143,23 @@ def test_verify_with_another_model_names_both(built, models):
     assert "error: " in res.stderr
     assert models["llama"] in res.stderr and models["qwen2"] in res.stderr
     assert "LlamaForCausalLM" in res.stderr and "Qwen2ForCausalLM" in res.stderr
+
+
+def test_verify_and_ask_refuse_a_pack_with_nan_keys_without_a_traceback(built, models, tmp_path):
+    """The format does not look at KV values, so plain ``verify`` passes; ``verify --model`` and ``ask`` refuse, as
+    ``kvpack.load`` does (``tests/test_kv_range.py``)."""
+    import kvpack
+
+    _, packs = built
+    pack = load_pack(packs / "alpha.kvpack")
+    pack.layers[0].keys[1, 0] = float("nan")
+    bad = tmp_path / "nan.kvpack"
+    kvpack.save(pack, bad)
+    _run(["verify", str(bad)])
+    res = _run(["verify", str(bad), "--model", models["llama"], "--device", "cpu"], code=1)
+    assert "layer 0's keys hold values outside" in res.stderr
+    res = _run(["ask", str(bad), "Who?", "--model", models["llama"], "--device", "cpu"], code=1)
+    assert "\nerror: " in res.stderr and "layer 0's keys" in res.stderr
 
 
 def test_ask_prints_an_answer(built, models):
