@@ -9,6 +9,7 @@ what fires. ``tests/hostile/`` stores a corpus of these files (``python -m tests
 from __future__ import annotations
 
 import json
+import math
 import struct
 import sys
 import tracemalloc
@@ -493,3 +494,24 @@ def test_an_escaped_surrogate_pair_is_text_and_reads():
     data = forge(set_kvpack("method", "kvzip \U0001f600"))
     assert b"ud83d" in data and "\U0001f600".encode() not in data  # escaped, as canonical JSON writes it
     assert read_header(data).metadata["method"] == "kvzip \U0001f600"
+
+
+def test_every_number_beyond_binary64_is_refused_whatever_its_spelling():
+    """``parse_json_text`` checks the range only when a byte scan finds a long digit run or a 2-digit exponent;
+    every spelling of a number that overflows a float must still be refused, and every other accepted."""
+    from kvpack.container import parse_json_text
+
+    def corrupt(message):
+        return CorruptFileError(message)
+
+    for digits in (0, 9, 99, 100, 150, 209, 210, 250, 308, 309, 400):
+        for exponent in ("", "e0", "e+5", "e9", "E10", "e99", "e100", "e+308", "e309", "e-5", "e-400"):
+            for fraction in ("", ".5"):
+                text = "1" + "0" * digits + fraction + exponent
+                overflows = math.isinf(float(text))
+                try:
+                    parse_json_text(f"[{text}]", "x", corrupt)
+                    refused = False
+                except CorruptFileError:
+                    refused = True
+                assert refused == overflows, text
