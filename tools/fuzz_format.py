@@ -20,8 +20,9 @@ is reproducible and resumable):
   ``bloat`` (long strings, many keys, many tensors). The two expensive classes, ``nesting`` and ``bloat``, are
   drawn a quarter as often as the others.
 
-Every file goes through ``read_header``, ``verify`` and ``load_pack`` (a file that loads is then laid out as a
-``KvpackCache`` and written back, which must not fail either). Progress goes to ``--out``/log.txt every
+Every file goes through ``read_header``, ``verify`` and ``load_pack`` (a file that loads is then range-checked
+as ``kvpack.load`` does, laid out as a ``KvpackCache`` if it passes, and written back, none of which may fail with
+an untyped error). Progress goes to ``--out``/log.txt every
 ``--log-every`` files; the state (counts, slowest case, peak RSS) to ``--out``/state.json, from which a rerun
 resumes; files that broke a rule are kept under ``--out``/failures/ with the traceback.
 
@@ -380,8 +381,14 @@ def check(data: bytes) -> tuple[str, float, str | None]:
         t0 = time.perf_counter()
         try:
             from kvpack.cache import KvpackCache
+            from kvpack.loading import check_kv_range
 
-            KvpackCache.from_pack(pack, dtype=torch.float32)
+            try:
+                check_kv_range(pack)  # as kvpack.load: KV out of range is refused before the layout
+            except KvpackError:
+                pass
+            else:
+                KvpackCache.from_pack(pack, dtype=torch.float32)
             pack_to_bytes(pack)
         except BaseException as exc:  # noqa: BLE001
             return "unusable", slowest, f"a loaded pack fails downstream: {type(exc).__name__}: {exc}\n" \
