@@ -179,6 +179,31 @@ def test_values_copy_keeps_exactly_kvzips_entries():
     assert (logits[2] - logits[1]).abs().max() > 1e-3  # the biases are used
 
 
+def test_a_fit_with_values_the_loader_would_refuse_keeps_kvzips_selection(monkeypatch):
+    """An ill-conditioned fit (values beyond float16's range, or NaN) is rejected like a fit that loses on held-out
+    queries, even without the held-out check: the head is exactly KVzip's, and the pack loads."""
+    import kvpack.methods.am as am_module
+
+    real = am_module.fit_head
+
+    def blown_up(*args, **kwargs):
+        fit = real(*args, **kwargs)
+        return type(fit)(**{**vars(fit), "values": fit.values * 1e6})
+
+    monkeypatch.setattr(am_module, "fit_head", blown_up)
+    model, tok, pack = _build("llama", held_out_check=False)
+    kvzip = kvpack.compress(model, tok, TEXT, method="kvzip", ratio=0.3, chunk_size=40)
+    fit = pack.metadata["stats"]["fit"]
+    assert fit["heads_rejected"] > 0 and fit["heads_rejected"] + fit["heads_unfitted"] == 4  # 2 layers x 2 heads
+    for a, b in zip(pack.layers, kvzip.layers):
+        assert torch.equal(a.values, b.values)
+        assert a.biases is None or not bool(a.biases.any())
+    kvpack.KvpackCache.from_pack(pack)
+    from kvpack.loading import check_kv_range
+
+    check_kv_range(pack)
+
+
 def test_fit_beats_selection_on_held_out_queries_of_a_real_model():
     _, _, pack = _build("llama", held_out_check=False)
     fit = pack.metadata["stats"]["fit"]

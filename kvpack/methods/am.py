@@ -9,6 +9,7 @@ from typing import Callable, ClassVar
 
 import torch
 
+from .. import constants as C
 from ..errors import InputError
 from ..pack import LayerEntries
 from ..prefill import Prefill
@@ -118,7 +119,8 @@ class AttentionMatching(KVzip):
     more than ``1 / OVERDETERMINED`` of its fit queries' count is not fitted (least squares would interpolate
     noise; nor is a head that keeps none or all of its context entries, where there is nothing to fit), and with
     ``held_out_check`` a head whose fit is worse on the held-out queries than KVzip's selection alone keeps the
-    selection (beta = 0, values copied). Either way the head is exactly KVzip's.
+    selection (beta = 0, values copied). A fit whose values leave ``[-MAX_KV_ABS, MAX_KV_ABS]`` (an ill-conditioned
+    system; ``kvpack.load`` would refuse the pack) is rejected the same way. Either way the head is exactly KVzip's.
 
     The pack's metadata gets ``stats["fit"]``: per compressed layer the mean relative error of the head outputs on
     the held-out queries (``relative_error``, the kept heads counted as kept), the same for KVzip's selection alone
@@ -252,6 +254,9 @@ class AttentionMatching(KVzip):
                     evicted = (~keep[i, h]).nonzero().squeeze(1).to(keys.device)
                     merged, target, w = merge_plan(k_ctx[kept].cpu(), k_ctx[evicted].cpu(), D2O.beta)
                     new_values = merge_rows(v_ctx[kept].cpu(), v_ctx[evicted].cpu()[merged], target, w)
+                if not bool((new_values.abs() <= C.MAX_KV_ABS).all()):  # also NaN: a value the loader refuses
+                    rejected += 1
+                    continue  # an ill-conditioned fit: the head stays as KVzip selected it
                 if n_held:
                     e_fit, e_sel = _held_out_errors(keys[h], values[h], held_q[h], sink, kept, fit.beta,
                                                     new_values.to(keys.device), scaling)
