@@ -381,7 +381,8 @@ def _laid_out_group(layers: list[LayerEntries], dt: torch.dtype, device: torch.d
     all_keys, all_values, all_positions = all_keys.to(device), all_values.to(device), all_positions.to(device)
     out, start = [], 0
     for entries, n in zip(layers, rows):
-        biases = None if entries.biases is None else entries.biases.to(device=device, dtype=torch.float32)
+        # (a copy: a loaded pack's biases are views of the file's memory map, which may change after the load)
+        biases = None if entries.biases is None else entries.biases.to(device=device, dtype=torch.float32, copy=True)
         out.append((all_keys[start : start + n], all_values[start : start + n], all_positions[start : start + n],
                     biases))
         start += n

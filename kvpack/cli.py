@@ -104,7 +104,7 @@ _METHOD_FLAGS = {"sink": "--sink", "recent_ratio": "--recent-ratio", "merge": "-
                  "beta": "--beta", "budget": "--budget", "window": "--window", "question": "--question",
                  "seed": "--seed", "heads": "--heads", "scoring": "--score", "selection": "--select",
                  "values": "--values", "queries": "--queries", "on_policy": "--on-policy",
-                 "reference": "--reference"}
+                 "reference": "--reference", "ridge": "--ridge"}
 
 
 def _method_options(f):
@@ -146,6 +146,9 @@ def _method_options(f):
                           "the context (slower: a decode step each), or both [default: repeat]."),
         click.option("--on-policy", "on_policy", is_flag=True, default=None,
                      help="am: recompute each layer's queries with the earlier layers compacted."),
+        click.option("--ridge", type=click.FloatRange(0.0, 1.0), default=None,
+                     help="am: ridge of the values' least squares, as a share of the mean diagonal of the normal "
+                          "equations (e.g. 0.001); 0 is the paper's plain least squares [default: 0]."),
     ]
     for opt in opts:
         f = opt(f)
@@ -260,7 +263,7 @@ def build(inputs, model_name, method, ratio, out_dir, device, dtype, chunk_size,
                               right=(1, 2, 3, 4)))
         for r in results:
             if r.status == "failed":
-                click.echo(f"failed: {r.source}{f':{r.line}' if r.line else ''}: {r.error}")
+                click.echo(printable(f"failed: {r.source}{f':{r.line}' if r.line else ''}: {r.error}"))
         click.echo(f"{len(results)} packs in {out}: {report['built']} built, {report['up_to_date']} up to date, "
                    f"{report['replaced']} replaced, {report['failed']} failed; {report['bytes_written']:,} bytes "
                    f"written in {report['seconds']:.1f} s" + ("; interrupted" if interrupted else ""))

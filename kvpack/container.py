@@ -256,29 +256,26 @@ def json_depth(text: bytes) -> int:
 
 def parse_json_text(text: str | bytes, what: str, corrupt) -> Any:
     """Parse one JSON text of the header (the header itself or a string of ``__metadata__``): its nesting depth is
-    checked first (``json_depth`` <= ``MAX_JSON_DEPTH``, so parsing never depends on the stack), then it is parsed
-    with no duplicate keys and no NaN/Infinity. Raises ``corrupt(problem)``."""
+    checked first (``json_depth`` <= ``MAX_JSON_DEPTH``, so parsing never depends on the stack), then it is decoded
+    as UTF-8 (never guessed: ``json.loads`` of bytes takes a text with NUL bytes for UTF-16 or UTF-32) and parsed
+    with no duplicate keys, no NaN/Infinity, no number beyond binary64 and no unpaired surrogate
+    (``format/SPEC.md`` §4.1, §4.3). Raises ``corrupt(problem)``."""
     data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
     # (fewer brackets than the cap cannot nest deeper; the scan is for texts that have more)
     if data.count(b"[") + data.count(b"{") > C.MAX_JSON_DEPTH and json_depth(data) > C.MAX_JSON_DEPTH:
         raise corrupt(f"{what} nests JSON deeper than {C.MAX_JSON_DEPTH} levels")
-    # The range and surrogate checks cost a Python call per number or a walk of the value, so they run only when
-    # a byte scan finds what could need them (``_MAYBE_HUGE``, ``_MAYBE_SURROGATE``).
-    hooks = dict(parse_float=_finite_float, parse_int=_binary64_int) if _MAYBE_HUGE.search(data) else {}
-    try:
-        obj = json.loads(data, object_pairs_hook=_unique_keys, parse_constant=_no_constant, **hooks)
+    try:  # (raw surrogate bytes do not decode: UnicodeDecodeError is a ValueError)
+        obj = json.loads(data.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant,
+                         parse_float=_finite_float, parse_int=_binary64_int)
     except (ValueError, RecursionError) as exc:  # RecursionError cannot happen below MAX_JSON_DEPTH; kept as a guard
         raise corrupt(f"{what} is not valid JSON ({str(exc)[:160] or type(exc).__name__})") from None
-    if _MAYBE_SURROGATE.search(data) and has_lone_surrogate(obj):
+    if _MAYBE_SURROGATE.search(data) and has_lone_surrogate(obj):  # the walk only when an escape could be one
         raise corrupt(f"{what} holds a lone UTF-16 surrogate (U+D800-U+DFFF unpaired): not Unicode text")
     return obj
 
 
-#: What every number beyond binary64 (1.8e308) contains: 100 or more digits in a row, or a positive exponent of 2
-#: or more digits (with a 1-digit exponent it needs 300 digits, with a 2-digit one 210).
-_MAYBE_HUGE = re.compile(rb"[0-9]{100}|[eE][+]?0*[1-9][0-9]")
-#: A surrogate's escape (``\ud800``-``\udfff``, any case) or its UTF-8 bytes (``ED A0``-``ED BF``).
-_MAYBE_SURROGATE = re.compile(rb"\\[uU][dD][89a-fA-F]|\xed[\xa0-\xbf]")
+#: A surrogate's escape (``\ud800``-``\udfff``, any case): the only way a surrogate can reach a decoded text.
+_MAYBE_SURROGATE = re.compile(rb"\\[uU][dD][89a-fA-F]")
 
 
 def _finite_float(token: str) -> float:

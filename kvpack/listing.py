@@ -293,14 +293,20 @@ def _short(digest) -> str:
     return f"{digest[:12]}..." if isinstance(digest, str) and len(digest) > 12 else str(digest or "-")
 
 
+#: Bidirectional controls: they reorder what a terminal shows (a name can display as another).
+_BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
 def printable(text: Any) -> str:
-    """``str(text)`` with every character a terminal could act on (control characters such as ESC, DEL, C1 codes,
-    and other non-printable ones such as bidirectional overrides; newlines too) written as its Python escape
-    (``\\x1b``, ``\\u202e``): header strings are untrusted and must not clear a screen or retitle a window."""
+    """``str(text)`` with every character a terminal could act on written as its Python escape (``\\x1b``,
+    ``\\u202e``): control characters (ESC, BEL, DEL, the C1 codes, newlines too), surrogates, line and paragraph
+    separators and the bidirectional controls. Header strings are untrusted and must not clear a screen, retitle a
+    window or reorder a line; other text (accents, CJK, no-break spaces, emoji sequences) is left as it is."""
     text = str(text)
     if text.isprintable():
         return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return "".join(c.encode("unicode_escape", "backslashreplace").decode("ascii")
+                   if unicodedata.category(c) in ("Cc", "Cs", "Zl", "Zp") or c in _BIDI_CONTROLS else c for c in text)
 
 
 def pairs(rows) -> str:

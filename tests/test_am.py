@@ -67,6 +67,23 @@ def test_least_squares_matches_the_normal_equations():
     torch.testing.assert_close(least_squares(X, Y), closed, atol=1e-5, rtol=1e-5)
 
 
+def test_least_squares_with_a_ridge_matches_its_closed_form_and_shrinks_the_values():
+    """``ridge=r``: ``(X^T X + r mean(diag(X^T X)) I)^-1 X^T Y`` (float64 reference), even for a well-posed system;
+    on two nearly equal columns, where plain least squares blows the coefficients up, it keeps them small."""
+    gen = torch.Generator().manual_seed(3)
+    X, Y = torch.randn(30, 6, generator=gen), torch.randn(30, 4, generator=gen)
+    gram = (X.T @ X).double()
+    lam = 0.01 * float(gram.diagonal().mean())
+    closed = torch.linalg.solve(gram + lam * torch.eye(6, dtype=torch.float64), (X.T @ Y).double()).float()
+    torch.testing.assert_close(least_squares(X, Y, ridge=0.01), closed, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(least_squares(X, Y), closed, atol=1e-3)
+    x = torch.randn(50, 1, generator=gen)
+    near = torch.cat([x, x + 1e-3 * torch.randn(50, 1, generator=gen)], dim=1)
+    y = x + 0.1 * torch.randn(50, 1, generator=gen)
+    assert float(least_squares(near, y).abs().max()) > 3  # plain: two large coefficients of opposite sign
+    assert float(least_squares(near, y, ridge=1e-3).abs().max()) < 1
+
+
 def test_least_squares_singular_falls_back_to_ridge():
     """A zero column makes QR divide by zero; the ridge fallback gives it weight 0 and the others their exact
     values (Y = 3 x + 1), and two equal columns still give a finite, optimal fit."""

@@ -226,10 +226,12 @@ def test_python_dash_m_and_version():
     (["--method", "random", "--seed", "3", "--budget", "layer"], "method\\s+random \\(budget=layer, seed=3\\)"),
     (["--method", "none"], "method\\s+none$"),
     (["--method", "am", "--select", "rms", "--values", "copy", "--queries", "64", "--on-policy"],
-     "method\\s+am \\(.*on_policy=True, queries=64, reference=repeat, scoring=attention, selection=rms, "
+     "method\\s+am \\(.*on_policy=True, queries=64, reference=repeat, ridge=0.0, scoring=attention, selection=rms, "
      ".*values=copy\\)"),
     (["--method", "am", "--reference", "both", "--queries", "64"],
      "method\\s+am \\(.*queries=64, reference=both, .*values=fit\\)"),
+    (["--method", "am", "--ridge", "0.001", "--queries", "64"],
+     "method\\s+am \\(.*queries=64, reference=repeat, ridge=0.001, .*values=fit\\)"),
 ])
 def test_build_with_method_options_and_info_shows_them(docs, models, tmp_path, args, params):
     out = tmp_path / "packs"
@@ -270,6 +272,7 @@ def test_method_label_names_changed_parameters_and_survives_hostile_headers():
     (["--method", "pyramidkv", "--budget", "global"], "error: pyramidkv: budget must be one of layer, head"),
     (["--method", "d2o", "--beta", "2"], "error: d2o: beta must be a number in [0.0, 1.0]"),
     (["--method", "kvzip", "--values", "fit"], "error: --method kvzip does not take --values"),
+    (["--method", "kvzip", "--ridge", "0.01"], "error: --method kvzip does not take --ridge"),
 ])
 def test_build_refuses_options_the_method_does_not_take(docs, models, tmp_path, args, message):
     res = _run(["build", str(docs / "alpha.txt"), "--model", models["llama"], "--device", "cpu",

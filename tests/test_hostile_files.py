@@ -79,6 +79,19 @@ def _kvpack_text(old: str, new: str, key: str, value):
     return edit
 
 
+def _utf16_kvpack():
+    """An edit writing the kvpack metadata text in UTF-16-LE (NUL bytes escaped as ``\\u0000`` in the header), with a
+    number beyond binary64 and a lone surrogate in it: ``json.loads`` of bytes would guess UTF-16 and accept both."""
+    def edit(obj):
+        kv = json.loads(obj["__metadata__"]["kvpack"])
+        kv["stats"] = {"x": 0.0015}
+        kv["method"] = "kvzip\ud800"
+        text = canon(kv).decode().replace("0.0015", "1e400")
+        obj["__metadata__"]["kvpack"] = text.encode("utf-16-le").decode("latin-1")
+
+    return edit
+
+
 def _raw_surrogate() -> bytes:
     """The header with a surrogate written as raw (CESU-style) UTF-8 bytes in a string, re-signed over those
     bytes: not canonical (canonical text is ASCII) and not Unicode."""
@@ -205,6 +218,7 @@ _add("header", {
     "lone surrogate in the layout": (forge(set_kvpack("layout", {**_LAYOUT, "separator": "Q\udfff: "})), X),
     "lone surrogate in a metadata key": (forge(set_meta("note\udc00", "x")), X),
     "raw UTF-8 surrogate in the header": (_raw_surrogate(), X),
+    "kvpack metadata as UTF-16 (1e400 and a surrogate in it)": (forge(_utf16_kvpack()), X),
     # __metadata__
     "metadata value not string": (forge(set_meta("kvpack", 3)), X),
     "metadata is a list": (forge(lambda o: o.update(__metadata__=["format"]), sign=False), NotAKvpackFileError),
@@ -485,10 +499,6 @@ def write_corpus(folder: Path = CORPUS, limit: int = 16 * 1024) -> int:
     return len(manifest)
 
 
-if __name__ == "__main__":  # python -m tests.test_hostile_files: rewrite the stored corpus
-    print(f"wrote {write_corpus()} hostile files to {CORPUS}", file=sys.stderr)
-
-
 def test_an_escaped_surrogate_pair_is_text_and_reads():
     """Only unpaired surrogates are refused: an emoji (written as an escaped pair in canonical JSON) reads back."""
     data = forge(set_kvpack("method", "kvzip \U0001f600"))
@@ -515,3 +525,7 @@ def test_every_number_beyond_binary64_is_refused_whatever_its_spelling():
                 except CorruptFileError:
                     refused = True
                 assert refused == overflows, text
+
+
+if __name__ == "__main__":  # python -m tests.test_hostile_files: rewrite the stored corpus
+    print(f"wrote {write_corpus()} hostile files to {CORPUS}", file=sys.stderr)

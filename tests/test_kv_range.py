@@ -88,11 +88,30 @@ def test_the_on_the_fly_cache_does_not_share_the_files_memory(tmp_path):
     assert not torch.equal(layer.entries.quant.key_codes, loaded.layers[0].quant.key_codes)
 
 
+def test_the_at_load_cache_does_not_share_the_files_memory(tmp_path):
+    """The same for the default layout of an Attention Matching pack: keys, values and biases are copies."""
+    model, tok = tiny_model("llama")
+    pack = kvpack.compress(model, tok, TEXT, method="am", ratio=0.3, chunk_size=40)
+    path = tmp_path / "am.kvpack"
+    kvpack.save(pack, path)
+    loaded = load_pack(path)
+    cache = cache_from_pack(loaded, model, tok)
+    layer = cache.layers[0]
+    before = [t.clone() for t in (layer.kept_keys, layer.kept_values, layer.biases)]
+    assert bool(before[2].any())
+    for t in (loaded.layers[0].keys, loaded.layers[0].values, loaded.layers[0].biases):
+        t.zero_()
+    for got, want in zip((layer.kept_keys, layer.kept_values, layer.biases), before):
+        assert torch.equal(got, want)
+
+
 def test_printable_escapes_what_a_terminal_would_act_on():
     assert printable("notes.txt") == "notes.txt"
     assert printable("a\x1b[2Jb\x07") == "a\\x1b[2Jb\\x07"
     assert printable("\x9b31m \u202eevil \u00e9\u6587") == "\\x9b31m \\u202eevil \u00e9\u6587"
     assert printable(printable("a\x1bb")) == printable("a\x1bb")
+    assert printable("no\u00a0break, \U0001f469\u200d\U0001f4bb") == "no\u00a0break, \U0001f469\u200d\U0001f4bb"
+    assert printable("a\nb\u2028c\ud800") == "a\\nb\\u2028c\\ud800"
 
 
 def test_ls_and_info_print_no_control_characters(tmp_path):

@@ -139,6 +139,10 @@ class AttentionMatching(KVzip):
             ``"continue"`` (``continue_tokens`` tokens the model samples after the context,
             ``kvpack.methods.am_continue``) or ``"both"`` (one pool of the two).
         continue_tokens: sampled tokens for ``"continue"`` and ``"both"`` (one decode step each), ``>= 1``.
+        ridge: the values' least squares regularised by ``ridge x mean(diag(X^T X))`` (``am_fit.least_squares``),
+            in ``[0, 1]``; 0 (default) is the paper's plain least squares. Plain least squares fits the repeat
+            pass's queries with values far outside the data's range (on the reference model up to 1,140 where the
+            context's values stay below 5), which other queries then amplify; BENCHMARKS.md measures the option.
     """
 
     name: ClassVar[str] = "am"
@@ -151,6 +155,7 @@ class AttentionMatching(KVzip):
     shift: str = "lse"
     reference: str = "repeat"
     continue_tokens: int = 512
+    ridge: float = 0.0
 
     def __post_init__(self):
         super().__post_init__()
@@ -162,6 +167,10 @@ class AttentionMatching(KVzip):
         check_choice(self.name, "shift", self.shift, SHIFTS)
         check_choice(self.name, "reference", self.reference, REFERENCES)
         check_int(self.name, "continue_tokens", self.continue_tokens, 1)
+        if isinstance(self.ridge, bool) or not isinstance(self.ridge, (int, float)) or not 0 <= self.ridge <= 1:
+            raise InputError(f"am: ridge must be a number in [0, 1] (a share of the mean diagonal of the values' "
+                             f"normal equations), got {self.ridge!r}")
+        self.ridge = float(self.ridge)
         if self.on_policy and self.reference != "repeat":
             raise InputError(f"am: --on-policy (on_policy) recomputes the repeat pass's queries and cannot be combined "
                              f"with --reference {self.reference} (reference={self.reference!r}); use --reference "
@@ -248,7 +257,7 @@ class AttentionMatching(KVzip):
                     continue  # as KVzip selected it (nothing kept, or nothing evicted): beta = 0, values copied
                 k_ctx, v_ctx = keys[h, sink:], values[h, sink:]
                 fit = fit_head(k_ctx, v_ctx, fit_q[h], kept, scaling, fit_values=self.values == "fit",
-                               shift=self.shift)
+                               shift=self.shift, ridge=self.ridge)
                 new_values = fit.values
                 if self.values == "merge" and len(kept) < k_ctx.shape[0]:
                     evicted = (~keep[i, h]).nonzero().squeeze(1).to(keys.device)

@@ -18,8 +18,8 @@ __all__ = ["on_policy_queries", "compacted_chunk_layer"]
 def on_policy_queries(method, model, tokenizer, prefill: Prefill, layers: list[LayerEntries], i: int, reservoir):
     """Fill ``reservoir`` (a ``QueryReservoir``) with compressed layer ``i``'s queries of every repeat chunk
     (``method.repeat_inputs``), layers ``spec.compressed_layers[:i]`` holding their compacted ``layers`` entries
-    (``compacted_chunk_layer``), the others as in KVzip's pass; each pass ends after layer ``i``'s attention
-    (``kvzip.stop_after_attention``). Returns ``reservoir``."""
+    (``compacted_chunk_layer``), the others as in KVzip's pass; each pass ends after the attention of layer
+    ``spec.compressed_layers[i]`` (``kvzip.stop_after_attention``). Returns ``reservoir``."""
     spec, sink = prefill.spec, prefill.sink
     device = prefill.keys[0].device
     done = spec.compressed_layers[:i]
