@@ -54,6 +54,7 @@ __all__ = [
     "dequantize_compact",
     "dequantize_compact_layers",
     "dequantized_range",
+    "dequantized_ranges",
     "compact_shapes",
     "compact_problem",
     "compact_values_problem",
@@ -399,33 +400,58 @@ def dequantize_compact_layers(quants: list) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def dequantized_range(qr) -> tuple[float, float]:
-    """The smallest and largest value the dequantization of a compact-layout ``QuantizedRows`` can produce, from its
-    group parameters and grid alone (no code is decoded): per key group and channel ``[min, min + scale x (2^w -
-    1)]`` with the channel's code width ``w`` in its head, per value group the same with the type's bits
-    (``format/SPEC.md`` §5.4; float32 arithmetic as ``dequantize_compact_layers``'s, so the bounds are attained
-    exactly when the top or bottom code is used). Linear in the parameters; ``(0.0, 0.0)`` without body rows; a
+    """``dequantized_ranges([qr])[0]``: the smallest and largest value one layer's dequantization can produce."""
+    return dequantized_ranges([qr])[0]
+
+
+def dequantized_ranges(quants: list) -> list[tuple[float, float]]:
+    """Per compact-layout ``QuantizedRows`` (layers of one pack: the same type, group size and head sizes), the
+    smallest and largest value its dequantization can produce, from its group parameters and grid alone (no code
+    is decoded): per key group and channel ``[min, min + scale x (2^w - 1)]`` with the channel's code width ``w``
+    in its head, per value group the same with the type's bits (``format/SPEC.md`` §5.4; float32 arithmetic as
+    ``dequantize_compact_layers``'s, so a bound is attained exactly when the top or bottom code is used). All layers
+    in one pass over their joined parameters (linear in them); ``(0.0, 0.0)`` for a layer without body rows; a
     non-finite bound comes back as such (NaN compares false)."""
-    d = qr.key_bits.shape[1]
-    grid = qr.quant_grid.numpy().astype(np.float32)  # [3, D + Dv / Gv]
-    groups = ((qr.body_lengths + qr.group_size - 1) // qr.group_size).numpy()
-    lows, highs = [], []
+    if not quants:
+        return []
+    d = quants[0].key_bits.shape[1]
+    grids = np.stack([q.quant_grid.numpy() for q in quants]).astype(np.float32)  # [layers, 3, D + Dv / Gv]
+    g = quants[0].group_size
+    head_groups = (torch.stack([q.body_lengths for q in quants]).long().numpy() + g - 1) // g  # [layers, heads]
+    key_rows = head_groups.sum(axis=1).tolist()
+    value_rows = [q.value_params.shape[1] for q in quants]
+    parts = (
+        # (params [2, rows, columns], each row's layer grid [rows, 3, columns], levels, rows per layer)
+        (_joined([q.key_params for q in quants], 1).numpy(), np.repeat(grids[:, :, :d], key_rows, axis=0),
+         2.0 ** np.repeat(_joined([q.key_bits for q in quants]).numpy(), head_groups.reshape(-1), axis=0) - 1,
+         key_rows),
+        (_joined([q.value_params for q in quants], 1).numpy(), np.repeat(grids[:, :, d:], value_rows, axis=0),
+         2.0 ** quant_type_bits(quants[0].qtype) - 1, value_rows),
+    )
+    lows = [[] for _ in quants]
+    highs = [[] for _ in quants]
     with np.errstate(over="ignore", invalid="ignore"):
-        for part, levels, columns in (
-                (qr.key_params.numpy(), (2.0 ** np.repeat(qr.key_bits.numpy(), groups, axis=0) - 1), slice(0, d)),
-                (qr.value_params.numpy(), 2.0 ** quant_type_bits(qr.qtype) - 1, slice(d, None))):
-            if not part.shape[1]:
+        for params, grid, levels, rows in parts:
+            if not params.shape[1]:
                 continue
-            g = grid[:, columns]
-            mins = part[0].astype(np.float32) * g[1] + g[0]
-            scales = g[2] * _CODE_MULTIPLIERS[part[1]]
-            tops = np.float32(levels) * scales + mins  # float32 multiply, then add: the decoder's own roundings
-            lows.append(float(mins.min()))
-            highs.append(float(tops.max()))
-    if not lows:
-        return 0.0, 0.0
-    if any(x != x for x in lows + highs):
-        return float("nan"), float("nan")
-    return min(lows), max(highs)
+            mins = params[0].astype(np.float32) * grid[:, 1] + grid[:, 0]  # [rows, columns]
+            tops = np.float32(levels) * (grid[:, 2] * _CODE_MULTIPLIERS[params[1]]) + mins  # multiply, then add
+            filled = [l for l, n in enumerate(rows) if n]  # layers with rows: their segments are contiguous
+            starts = (np.cumsum([0] + rows[:-1]))[filled]
+            layer_low = np.minimum.reduceat(mins, starts, axis=0).min(axis=1).tolist()  # rows first: fast in numpy
+            layer_high = np.maximum.reduceat(tops, starts, axis=0).max(axis=1).tolist()
+            for l, low, high in zip(filled, layer_low, layer_high):
+                lows[l].append(low)
+                highs[l].append(high)
+    out = []
+    for low, high in zip(lows, highs):
+        if not low:
+            out.append((0.0, 0.0))
+        elif any(x != x for x in low + high):
+            out.append((float("nan"), float("nan")))
+        else:
+            out.append((min(low), max(high)))
+    return out
 
 
 def _group_params(group_min: torch.Tensor, group_max: torch.Tensor, levels: torch.Tensor):

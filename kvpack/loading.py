@@ -12,7 +12,7 @@ from .cache import KvpackCache
 from .fileformat import load_pack
 from .fingerprint import _cached_fingerprint, check_fingerprint
 from . import constants as C
-from .compact import dequantized_range
+from .compact import dequantized_ranges
 from .errors import CorruptFileError, ModelMismatchError
 from .model import ModelSpec, model_spec
 from .pack import Pack
@@ -80,17 +80,19 @@ def check_kv_range(pack: Pack, where: str = "the pack") -> None:
     check with NaN, infinite or huge entries (or group parameters that dequantize to them), and such entries make
     attention NaN, so sampling fails inside ``generate``; they are refused here instead. Full-precision rows are
     scanned (``torch.aminmax``, no copy); quantized rows are bounded from their group parameters
-    (``compact.dequantized_range``), without decoding a code. Linear in the pack's bytes.
+    (``compact.dequantized_ranges``, all layers at once), without decoding a code. Linear in the pack's bytes.
 
     Raises:
         CorruptFileError: naming the layer and the tensor.
     """
     limit = C.MAX_KV_ABS
+    quantized = [l for l, e in enumerate(pack.layers) if e.quant is not None]
+    bounds = dict(zip(quantized, dequantized_ranges([pack.layers[l].quant for l in quantized])))
     for l, entries in enumerate(pack.layers):
         ranges = [(name, t) for name, t in (("keys", entries.keys), ("values", entries.values)) if t.numel()]
         ranges = [(name, tuple(float(x) for x in torch.aminmax(t))) for name, t in ranges]
-        if entries.quant is not None:
-            ranges.append(("quantized rows", dequantized_range(entries.quant)))
+        if l in bounds:
+            ranges.append(("quantized rows", bounds[l]))
         for name, (low, high) in ranges:
             if not (-limit <= low and high <= limit):  # NaN compares false
                 raise CorruptFileError(f"{where}: layer {l}'s {name} hold values outside [-{limit:g}, {limit:g}] "

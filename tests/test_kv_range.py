@@ -4,7 +4,7 @@ print header strings without terminal control characters."""
 
 from __future__ import annotations
 
-import math
+import dataclasses
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ from click.testing import CliRunner
 import kvpack
 from kvpack import constants as C
 from kvpack.cli import cli
-from kvpack.compact import dequantize_compact, dequantized_range
+from kvpack.compact import dequantize_compact, dequantized_range, dequantized_ranges
 from kvpack.errors import CorruptFileError
 from kvpack.fileformat import load_pack
 from kvpack.listing import printable
@@ -39,6 +39,11 @@ def test_dequantized_range_bounds_the_dequantized_rows_tightly():
         assert low <= float(rows.min()) and float(rows.max()) <= high
         span = float(rows.abs().max())
         assert -4 * span <= low and high <= 4 * span  # a bound, not a guess: within a small factor of the data
+    quants = [layer.quant for layer in pack.layers]
+    assert dequantized_ranges(quants) == [dequantized_ranges([q])[0] for q in quants]  # all layers at once
+    empty = dataclasses.replace(quants[0], body_lengths=torch.zeros_like(quants[0].body_lengths),
+                                key_params=quants[0].key_params[:, :0], value_params=quants[0].value_params[:, :0])
+    assert dequantized_ranges([empty, quants[1]]) == [(0.0, 0.0), dequantized_range(quants[1])]
 
 
 @pytest.mark.parametrize("dequantize", ["at-load", "on-the-fly"])
