@@ -31,7 +31,8 @@ from .errors import (ChecksumMismatchError, CorruptFileError, InputError, NotAKv
                      UnsupportedVersionError)
 
 __all__ = ["TensorCodec", "TensorInfo", "Container", "parse_header", "parse_json_text", "has_lone_surrogate",
-           "json_depth", "canonical", "check_tensor", "tensor_bytes", "container_bytes", "write_atomic", "remove_stale_temps"]
+           "json_depth", "canonical", "check_tensor", "tensor_bytes", "container_bytes", "write_atomic",
+           "remove_stale_temps"]
 
 _UPGRADE = "upgrade kvpack (`pip install -U kvpack`)"
 _VERSION = re.compile(r"([1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})")

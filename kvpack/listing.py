@@ -201,16 +201,17 @@ def info_text(file: str | os.PathLike, *, storage_options: dict | None = None) -
     sec_rows = [(name, f"{n:,}", f"{100 * n / max(1, header.file_bytes):.1f}%") for name, n in sections.items()]
     sec_rows.append(("total", f"{header.file_bytes:,}", "100.0%"))
     out.append(table(("section", "bytes", "share"), sec_rows, right=(1, 2), indent="  "))
-    return "\n".join(printable(line) for line in "\n".join(out).split("\n"))  # tables and pairs already are
+    return "\n".join(out)  # header values reach it only through pairs, table and printable
 
 
 def _fit_lines(fit, compressed: list[int]) -> list[str]:
     """Attention Matching's fit per compressed layer (``kvpack.methods.am``), when the pack records one."""
     if not isinstance(fit, dict) or not isinstance(fit.get("relative_error"), list):
         return []
-    head = (f"\nattention matching fit (relative error of the head outputs on {fit.get('held_out', '?')} held-out "
-            f"queries per KV head; {fit.get('queries', '?')} fit queries; heads left as selected: "
-            f"{fit.get('heads_unfitted', '?')} unfitted, {fit.get('heads_rejected', '?')} rejected)")
+    n = {k: printable(fit.get(k, "?")) for k in ("held_out", "queries", "heads_unfitted", "heads_rejected")}
+    head = (f"\nattention matching fit (relative error of the head outputs on {n['held_out']} held-out queries per "
+            f"KV head; {n['queries']} fit queries; heads left as selected: {n['heads_unfitted']} unfitted, "
+            f"{n['heads_rejected']} rejected)")
     cols = [fit.get(k) if isinstance(fit.get(k), list) else [] for k in ("relative_error", "selection_error",
                                                                           "mass_error")]
     rows = [(str(compressed[i]) if i < len(compressed) else "?",

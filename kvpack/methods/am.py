@@ -14,7 +14,7 @@ from ..errors import InputError
 from ..pack import LayerEntries
 from ..prefill import Prefill
 from .am_fit import SHIFTS, attention_output, fit_head, relative_error, rms_attention
-from .base import check_bool, check_choice, check_int, top_k_rows
+from .base import check_bool, check_choice, check_float, check_int, top_k_rows
 from .d2o import D2O, merge_plan, merge_rows
 from .kvzip import KVzip
 
@@ -167,9 +167,7 @@ class AttentionMatching(KVzip):
         check_choice(self.name, "shift", self.shift, SHIFTS)
         check_choice(self.name, "reference", self.reference, REFERENCES)
         check_int(self.name, "continue_tokens", self.continue_tokens, 1)
-        if isinstance(self.ridge, bool) or not isinstance(self.ridge, (int, float)) or not 0 <= self.ridge <= 1:
-            raise InputError(f"am: ridge must be a number in [0, 1] (a share of the mean diagonal of the values' "
-                             f"normal equations), got {self.ridge!r}")
+        check_float(self.name, "ridge", self.ridge, 0.0, 1.0)
         self.ridge = float(self.ridge)
         if self.on_policy and self.reference != "repeat":
             raise InputError(f"am: --on-policy (on_policy) recomputes the repeat pass's queries and cannot be combined "

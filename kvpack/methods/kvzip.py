@@ -103,7 +103,6 @@ class KVzip(Method):
         ``KvpackCache``); Attention Matching records the pass's queries here. Does nothing by default."""
 
 
-
 class RepeatPassDone(Exception):
     """Raised by ``stop_after_attention``'s hook to end a repeat pass once its last scored layer has attended."""
 
