@@ -411,7 +411,8 @@ def dequantized_ranges(quants: list) -> list[tuple[float, float]]:
     in its head, per value group the same with the type's bits (``format/SPEC.md`` §5.4; float32 arithmetic as
     ``dequantize_compact_layers``'s, so a bound is attained exactly when the top or bottom code is used). All layers
     in one pass over their joined parameters (linear in them); ``(0.0, 0.0)`` for a layer without body rows; a
-    non-finite bound comes back as such (NaN compares false)."""
+    non-finite bound comes back as such (NaN compares false). Returns one ``(low, high)`` float pair per layer, in
+    KV units; raises nothing of its own (the reader has checked the shapes)."""
     if not quants:
         return []
     d = quants[0].key_bits.shape[1]

@@ -307,7 +307,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 def has_lone_surrogate(obj: Any) -> bool:
     """Whether a parsed JSON value holds, in any string or object key, a UTF-16 surrogate code point. ``json``
     joins an escaped pair (``\\ud83d\\ude00``) into one character, so what remains is unpaired: text that cannot be
-    encoded, printed or tokenized. Iterative, linear in the value's size."""
+    encoded, printed or tokenized. Iterative, linear in the value's size. Raises nothing."""
     stack = [obj]
     while stack:
         x = stack.pop()

@@ -302,7 +302,8 @@ def printable(text: Any) -> str:
     """``str(text)`` with every character a terminal could act on written as its Python escape (``\\x1b``,
     ``\\u202e``): control characters (ESC, BEL, DEL, the C1 codes, newlines too), surrogates, line and paragraph
     separators and the bidirectional controls. Header strings are untrusted and must not clear a screen, retitle a
-    window or reorder a line; other text (accents, CJK, no-break spaces, emoji sequences) is left as it is."""
+    window or reorder a line; other text (accents, CJK, no-break spaces, emoji sequences) is left as it is. Raises
+    nothing."""
     text = str(text)
     if text.isprintable():
         return text

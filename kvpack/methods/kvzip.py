@@ -115,7 +115,8 @@ def stop_after_attention(body, layer: int):
     The repeat pass needs each compressed layer's attention probabilities (and Attention Matching its queries),
     never its output, so the output projection and MLP of the last compressed layer, every later layer and the
     final norm are skipped (1/L of the pass's MLP and projections on an L-layer model). A model whose layers are
-    not at ``body.layers[layer].self_attn`` runs whole.
+    not at ``body.layers[layer].self_attn`` runs whole. Raises nothing of its own; any other exception of the
+    forward passes through, and the hook is removed either way.
     """
     layers = getattr(body, "layers", None)
     attn = None
