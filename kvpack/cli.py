@@ -104,7 +104,7 @@ _METHOD_FLAGS = {"sink": "--sink", "recent_ratio": "--recent-ratio", "merge": "-
                  "beta": "--beta", "budget": "--budget", "window": "--window", "question": "--question",
                  "seed": "--seed", "heads": "--heads", "scoring": "--score", "selection": "--select",
                  "values": "--values", "queries": "--queries", "on_policy": "--on-policy",
-                 "reference": "--reference", "ridge": "--ridge"}
+                 "reference": "--reference", "ridge": "--ridge", "ridge_to": "--ridge-to"}
 
 
 def _method_options(f):
@@ -149,6 +149,9 @@ def _method_options(f):
         click.option("--ridge", type=click.FloatRange(0.0, 1.0), default=None,
                      help="am: ridge of the values' least squares, as a share of the mean diagonal of the normal "
                           "equations (e.g. 0.001); 0 is the paper's plain least squares [default: 0]."),
+        click.option("--ridge-to", "ridge_to", type=click.Choice(["zero", "selected"]), default=None,
+                     help="am: what --ridge shrinks the fitted values toward: zero, or the kept entries' own values "
+                          "(a large ridge then tends to --values copy) [default: zero]."),
     ]
     for opt in opts:
         f = opt(f)

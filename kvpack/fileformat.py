@@ -35,7 +35,7 @@ from .container import (Container, TensorCodec, TensorInfo, container_bytes, par
 from .errors import CorruptFileError, InputError
 from .pack import LayerEntries, Pack, QuantizedRows
 from .source import REBUILD, Source, SourceLike
-from .validate import metadata_problem, pack_problem
+from .validate import kv_range_problem, metadata_problem, pack_problem
 
 __all__ = ["TensorCodec", "TensorInfo", "PackHeader", "pack_to_bytes", "check_storage_args", "save", "load_pack",
            "read_header", "verify"]
@@ -158,6 +158,11 @@ def _file_parts(pack: Pack, zstd_level: int, checksum: str) -> tuple[bytes, list
         problem = f"pack.metadata must not contain {C.SINK_TOKENS_KEY!r} (it is written from pack.sink_tokens)"
     if problem is not None:
         raise InputError(f"cannot write this pack: {problem}")
+    problem = kv_range_problem(pack)
+    if problem is not None:  # kvpack.load would refuse the file
+        raise InputError(f"cannot write this pack: {problem}, which no loader accepts (attention over them is NaN); "
+                         "the model overflowed while building it: build it again in bfloat16 or float32 "
+                         "(kvpack build --dtype), or check the model's weights")
     check_storage_args(zstd_level, checksum)
     try:
         kvpack_json = json.dumps({**pack.metadata, C.SINK_TOKENS_KEY: pack.sink_tokens}, **C.JSON_DUMPS_KWARGS)
@@ -222,7 +227,8 @@ def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
             ``"sha256"``. The header's own checksum is SHA-256 either way.
 
     Raises:
-        InputError: the pack is inconsistent (``validate.pack_problem``), its metadata is not plain JSON (or has a
+        InputError: the pack is inconsistent (``validate.pack_problem``), holds a key or value that is not finite
+            or lies beyond +-MAX_KV_ABS (``validate.kv_range_problem``), its metadata is not plain JSON (or has a
             ``sink_tokens`` key), a bad ``zstd_level`` or ``checksum``.
     """
     head, blobs = _file_parts(pack, zstd_level, checksum)

@@ -11,12 +11,11 @@ from .attention import use_kvpack_attention
 from .cache import KvpackCache
 from .fileformat import load_pack
 from .fingerprint import _cached_fingerprint, check_fingerprint
-from . import constants as C
-from .compact import dequantized_ranges
 from .errors import CorruptFileError, ModelMismatchError
 from .model import ModelSpec, model_spec
 from .pack import Pack
 from .source import REBUILD
+from .validate import kv_range_problem
 
 __all__ = ["load", "cache_from_pack", "check_shapes", "check_kv_range"]
 
@@ -76,28 +75,17 @@ def check_shapes(pack: Pack, spec: ModelSpec, dtype: torch.dtype, where: str = "
 
 def check_kv_range(pack: Pack, where: str = "the pack") -> None:
     """Check that every key and value of ``pack``, dequantized, is finite and within ``[-MAX_KV_ABS, MAX_KV_ABS]``
-    (float16's largest finite value: every dtype the cache may be cast to holds it). A file can pass every format
-    check with NaN, infinite or huge entries (or group parameters that dequantize to them), and such entries make
-    attention NaN, so sampling fails inside ``generate``; they are refused here instead. Full-precision rows are
-    scanned (``torch.aminmax``, no copy); quantized rows are bounded from their group parameters
-    (``compact.dequantized_ranges``, all layers at once), without decoding a code. Linear in the pack's bytes.
+    (``validate.kv_range_problem``). A file can pass every format check with NaN, infinite or huge entries (or
+    group parameters that dequantize to them), and such entries make attention NaN, so sampling fails inside
+    ``generate``; they are refused here instead (the writer refuses to write them). Linear in the pack's bytes.
 
     Raises:
         CorruptFileError: naming the layer and the tensor.
     """
-    limit = C.MAX_KV_ABS
-    quantized = [l for l, e in enumerate(pack.layers) if e.quant is not None]
-    bounds = dict(zip(quantized, dequantized_ranges([pack.layers[l].quant for l in quantized])))
-    for l, entries in enumerate(pack.layers):
-        ranges = [(name, t) for name, t in (("keys", entries.keys), ("values", entries.values)) if t.numel()]
-        ranges = [(name, tuple(float(x) for x in torch.aminmax(t))) for name, t in ranges]
-        if l in bounds:
-            ranges.append(("quantized rows", bounds[l]))
-        for name, (low, high) in ranges:
-            if not (-limit <= low and high <= limit):  # NaN compares false
-                raise CorruptFileError(f"{where}: layer {l}'s {name} hold values outside [-{limit:g}, {limit:g}] "
-                                       f"(min {low:.4g}, max {high:.4g}); a real KV cache never does, so the file "
-                                       f"is damaged or forged; {REBUILD}")
+    problem = kv_range_problem(pack)
+    if problem is not None:
+        raise CorruptFileError(f"{where}: {problem}; a real KV cache never does, so the file is damaged or forged; "
+                               f"{REBUILD}")
 
 
 def load(path: str | os.PathLike, model, *, device=None, tokenizer=None,

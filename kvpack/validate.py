@@ -11,15 +11,39 @@ from typing import Any
 import torch
 
 from . import constants as C
+from .compact import dequantized_ranges
 from .pack import LayerEntries, Pack, QuantizedRows
 from .quant import layer_quant_problem
 
-__all__ = ["pack_problem", "metadata_problem", "LAYER_KINDS"]
+__all__ = ["pack_problem", "kv_range_problem", "metadata_problem", "LAYER_KINDS"]
 
 #: Values of the ``layer_kinds`` metadata.
 LAYER_KINDS = ("compressed", "sliding_intact")
 #: Longest string accepted in the short metadata fields (method, version, source name and hash).
 _MAX_SHORT = 1024
+
+
+def kv_range_problem(pack: Pack) -> str | None:
+    """Why some key or value of ``pack`` (a consistent ``Pack``: ``pack_problem`` returned ``None``), dequantized,
+    is not finite or lies outside ``[-MAX_KV_ABS, MAX_KV_ABS]`` (float16's largest finite value: every dtype the
+    cache may be cast to holds it), or ``None``. Such entries make attention NaN (sampling then fails inside
+    ``generate``). Full-precision rows are scanned (``torch.aminmax``, no copy); quantized rows are bounded from
+    their group parameters (``compact.dequantized_ranges``, all layers at once) without decoding a code. Linear in
+    the pack's bytes. The sentence names the layer, the tensor and its range.
+    """
+    limit = C.MAX_KV_ABS
+    quantized = [l for l, e in enumerate(pack.layers) if e.quant is not None]
+    bounds = dict(zip(quantized, dequantized_ranges([pack.layers[l].quant for l in quantized])))
+    for l, entries in enumerate(pack.layers):
+        ranges = [(name, t) for name, t in (("keys", entries.keys), ("values", entries.values)) if t.numel()]
+        ranges = [(name, tuple(float(x) for x in torch.aminmax(t))) for name, t in ranges]
+        if l in bounds:
+            ranges.append(("quantized rows", bounds[l]))
+        for name, (low, high) in ranges:
+            if not (-limit <= low and high <= limit):  # NaN compares false
+                return (f"layer {l}'s {name} hold values outside [-{limit:g}, {limit:g}] (min {low:.4g}, "
+                        f"max {high:.4g})")
+    return None
 
 
 def pack_problem(pack: Any) -> str | None:

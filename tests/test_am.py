@@ -84,6 +84,29 @@ def test_least_squares_with_a_ridge_matches_its_closed_form_and_shrinks_the_valu
     assert float(least_squares(near, y, ridge=1e-3).abs().max()) < 1
 
 
+def test_a_ridge_toward_a_prior_matches_its_closed_form_and_tends_to_the_prior():
+    """``prior=P``: ``(X^T X + lam I)^-1 (X^T Y + lam P)`` (float64 reference); a huge ridge gives ``P`` back, and in
+    ``fit_head`` ``ridge_to="selected"`` shrinks the fitted values toward the kept entries' own values."""
+    gen = torch.Generator().manual_seed(4)
+    X, Y, P = torch.randn(30, 6, generator=gen), torch.randn(30, 4, generator=gen), torch.randn(6, 4, generator=gen)
+    gram = (X.T @ X).double()
+    lam = 0.3 * float(gram.diagonal().mean())
+    closed = torch.linalg.solve(gram + lam * torch.eye(6, dtype=torch.float64),
+                                (X.T @ Y).double() + lam * P.double()).float()
+    torch.testing.assert_close(least_squares(X, Y, ridge=0.3, prior=P), closed, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(least_squares(X, Y, ridge=0.3), closed, atol=1e-3)  # the prior matters
+    torch.testing.assert_close(least_squares(X, Y, ridge=1e6, prior=P), P, atol=1e-4, rtol=0)
+    torch.testing.assert_close(least_squares(X, Y, prior=P), least_squares(X, Y))  # no ridge: plain least squares
+    keys, values = torch.randn(40, 8, generator=gen), torch.randn(40, 8, generator=gen)
+    queries, kept = torch.randn(200, 8, generator=gen), torch.arange(0, 40, 4)
+    plain = fit_head(keys, values, queries, kept, 0.35).values
+    gaps = [float((fit_head(keys, values, queries, kept, 0.35, ridge=r, ridge_to="selected").values
+                   - values[kept]).abs().max()) for r in (1e-3, 1e-1, 1.0)]
+    assert gaps[0] > gaps[1] > gaps[2] and gaps[0] < float((plain - values[kept]).abs().max()) + 1e-6
+    with pytest.raises(ValueError, match="ridge_to"):
+        fit_head(keys, values, queries, kept, 0.35, ridge=0.1, ridge_to="mean")
+
+
 def test_least_squares_singular_falls_back_to_ridge():
     """A zero column makes QR divide by zero; the ridge fallback gives it weight 0 and the others their exact
     values (Y = 3 x + 1), and two equal columns still give a finite, optimal fit."""
@@ -332,9 +355,12 @@ def test_sink_stays_exact():
 
 
 def test_bad_options_are_input_errors():
-    for bad in (dict(values="lsq"), dict(selection="mean"), dict(queries=3), dict(on_policy="yes"), dict(shift="mean")):
+    for bad in (dict(values="lsq"), dict(selection="mean"), dict(queries=3), dict(on_policy="yes"), dict(shift="mean"),
+                dict(ridge=0.1, ridge_to="mean"), dict(ridge=2.0)):
         with pytest.raises(InputError):
             get_method("am", **bad)
+    with pytest.raises(InputError, match="give --ridge too"):  # a ridge target without a ridge would do nothing
+        get_method("am", ridge_to="selected")
 
 
 def test_reservoir_pools_the_gqa_group_and_is_deterministic():

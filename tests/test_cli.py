@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from kvpack.cli import cli
 from kvpack.fileformat import load_pack
 
+from .forge import with_f32_element
 from .tiny import TEXT, tiny_model
 
 NAMES = ["alpha", "beta", "gamma/q1", "gamma/3"]
@@ -152,9 +153,10 @@ def test_verify_and_ask_refuse_a_pack_with_nan_keys_without_a_traceback(built, m
 
     _, packs = built
     pack = load_pack(packs / "alpha.kvpack")
-    pack.layers[0].keys[1, 0] = float("nan")
-    bad = tmp_path / "nan.kvpack"
-    kvpack.save(pack, bad)
+    raw = tmp_path / "raw.kvpack"
+    kvpack.save(pack, raw, zstd_level=0)
+    bad = tmp_path / "nan.kvpack"  # layer 0's keys[1, 0] forged into a NaN (kvpack.save refuses to write one)
+    bad.write_bytes(with_f32_element(raw.read_bytes(), "keys", pack.layers[0].keys.shape[1], float("nan")))
     _run(["verify", str(bad)])
     res = _run(["verify", str(bad), "--model", models["llama"], "--device", "cpu"], code=1)
     assert "layer 0's keys hold values outside" in res.stderr
@@ -226,12 +228,14 @@ def test_python_dash_m_and_version():
     (["--method", "random", "--seed", "3", "--budget", "layer"], "method\\s+random \\(budget=layer, seed=3\\)"),
     (["--method", "none"], "method\\s+none$"),
     (["--method", "am", "--select", "rms", "--values", "copy", "--queries", "64", "--on-policy"],
-     "method\\s+am \\(.*on_policy=True, queries=64, reference=repeat, ridge=0.0, scoring=attention, selection=rms, "
-     ".*values=copy\\)"),
+     "method\\s+am \\(.*on_policy=True, queries=64, reference=repeat, ridge=0.0, ridge_to=zero, scoring=attention, "
+     "selection=rms, .*values=copy\\)"),
     (["--method", "am", "--reference", "both", "--queries", "64"],
      "method\\s+am \\(.*queries=64, reference=both, .*values=fit\\)"),
     (["--method", "am", "--ridge", "0.001", "--queries", "64"],
-     "method\\s+am \\(.*queries=64, reference=repeat, ridge=0.001, .*values=fit\\)"),
+     "method\\s+am \\(.*queries=64, reference=repeat, ridge=0.001, ridge_to=zero, .*values=fit\\)"),
+    (["--method", "am", "--ridge", "1", "--ridge-to", "selected", "--queries", "64"],
+     "method\\s+am \\(.*ridge=1.0, ridge_to=selected, .*values=fit\\)"),
 ])
 def test_build_with_method_options_and_info_shows_them(docs, models, tmp_path, args, params):
     out = tmp_path / "packs"
@@ -273,6 +277,7 @@ def test_method_label_names_changed_parameters_and_survives_hostile_headers():
     (["--method", "d2o", "--beta", "2"], "error: d2o: beta must be a number in [0.0, 1.0]"),
     (["--method", "kvzip", "--values", "fit"], "error: --method kvzip does not take --values"),
     (["--method", "kvzip", "--ridge", "0.01"], "error: --method kvzip does not take --ridge"),
+    (["--method", "am", "--ridge-to", "selected"], "error: am: --ridge-to selected (ridge_to='selected') shrinks"),
 ])
 def test_build_refuses_options_the_method_does_not_take(docs, models, tmp_path, args, message):
     res = _run(["build", str(docs / "alpha.txt"), "--model", models["llama"], "--device", "cpu",

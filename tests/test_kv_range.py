@@ -14,11 +14,12 @@ import kvpack
 from kvpack import constants as C
 from kvpack.cli import cli
 from kvpack.compact import dequantize_compact, dequantized_range, dequantized_ranges
-from kvpack.errors import CorruptFileError
+from kvpack.errors import CorruptFileError, InputError
 from kvpack.fileformat import load_pack
 from kvpack.listing import printable
 from kvpack.loading import cache_from_pack
 
+from .forge import with_f32_element
 from .tiny import TEXT, tiny_model
 
 
@@ -64,16 +65,24 @@ def test_out_of_range_kv_is_refused_at_load(case, dequantize):
         cache_from_pack(pack, model, tok, dequantize=dequantize)
 
 
-def test_values_at_the_limit_load_and_a_saved_nan_pack_is_refused(tmp_path):
+def test_values_at_the_limit_load_the_writer_refuses_nan_and_a_forged_nan_file_is_refused(tmp_path):
     model, tok, pack = _pack()
+    assert pack.layers[0].values.dtype == torch.float32
     pack.layers[0].values[0, 0] = -C.MAX_KV_ABS
     cache_from_pack(pack, model, tok)  # the limit itself is allowed
-    pack.layers[0].values[0, 0] = float("nan")
-    path = tmp_path / "nan.kvpack"
-    kvpack.save(pack, path)  # the format itself does not look at KV values
-    load_pack(path)
+    limit = tmp_path / "limit.kvpack"
+    kvpack.save(pack, limit, zstd_level=0)
+    kvpack.load(limit, model, tokenizer=tok)
+    for value in (float("nan"), float("inf"), -65505.0):
+        pack.layers[0].values[0, 0] = value
+        with pytest.raises(InputError, match="cannot write this pack: layer 0's values hold values outside"):
+            kvpack.save(pack, tmp_path / "bad.kvpack")
+        assert not (tmp_path / "bad.kvpack").exists()
+    bad = tmp_path / "nan.kvpack"  # the same file with the limit forged into a NaN: every format check passes
+    bad.write_bytes(with_f32_element(limit.read_bytes(), "values", 0, float("nan")))
+    assert load_pack(bad).layers[0].values[0, 0].isnan()
     with pytest.raises(CorruptFileError, match="nan.kvpack: layer 0's values"):
-        kvpack.load(path, model, tokenizer=tok)
+        kvpack.load(bad, model, tokenizer=tok)
 
 
 def test_the_on_the_fly_cache_does_not_share_the_files_memory(tmp_path):

@@ -50,7 +50,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import zstandard  # noqa: E402
 
-from kvpack.errors import KvpackError  # noqa: E402
+from kvpack.errors import InputError, KvpackError  # noqa: E402
 from kvpack.fileformat import load_pack, pack_to_bytes, read_header, verify  # noqa: E402
 from tests.forge import canon, restore, split  # noqa: E402
 
@@ -386,10 +386,15 @@ def check(data: bytes) -> tuple[str, float, str | None]:
             try:
                 check_kv_range(pack)  # as kvpack.load: KV out of range is refused before the layout
             except KvpackError:
-                pass
+                try:
+                    pack_to_bytes(pack)
+                except InputError:
+                    pass  # the writer refuses what the loader refuses
+                else:
+                    return "disagree", slowest, "the writer accepts KV that kvpack.load refuses"
             else:
                 KvpackCache.from_pack(pack, dtype=torch.float32)
-            pack_to_bytes(pack)
+                pack_to_bytes(pack)
         except BaseException as exc:  # noqa: BLE001
             return "unusable", slowest, f"a loaded pack fails downstream: {type(exc).__name__}: {exc}\n" \
                                         f"{traceback.format_exc()}"

@@ -18,13 +18,16 @@ from .base import check_bool, check_choice, check_float, check_int, top_k_rows
 from .d2o import D2O, merge_plan, merge_rows
 from .kvzip import KVzip
 
-__all__ = ["AttentionMatching", "QueryReservoir", "HELD_OUT", "SELECTIONS", "VALUE_MODES", "REFERENCES"]
+__all__ = ["AttentionMatching", "QueryReservoir", "HELD_OUT", "SELECTIONS", "VALUE_MODES", "REFERENCES",
+           "RIDGE_TARGETS"]
 
 #: Within-head selections (``selection``) and value modes (``values``).
 SELECTIONS = ("kvzip", "rms")
 VALUE_MODES = ("fit", "copy", "merge")
 #: Sources of the reference queries (``reference``): KVzip's repeat pass, sampled self-continuations, or both.
 REFERENCES = ("repeat", "continue", "both")
+#: What the values' ridge shrinks them toward (``ridge_to``): zero (a plain ridge) or the selected entries' own values.
+RIDGE_TARGETS = ("zero", "selected")
 #: Reference queries per KV head held out of the fit to measure it (at most; an eighth of a smaller pool).
 HELD_OUT = 256
 #: Seed of the deterministic query subsampling.
@@ -143,6 +146,9 @@ class AttentionMatching(KVzip):
             in ``[0, 1]``; 0 (default) is the paper's plain least squares. Plain least squares fits the repeat
             pass's queries with values far outside the data's range (on the reference model up to 1,140 where the
             context's values stay below 5), which other queries then amplify; BENCHMARKS.md measures the option.
+        ridge_to: what the ridge shrinks the fitted values toward: ``"zero"`` (default, a plain ridge) or
+            ``"selected"`` (the kept entries' own values, so a large ridge tends to ``values="copy"``); needs
+            ``ridge > 0``.
     """
 
     name: ClassVar[str] = "am"
@@ -156,6 +162,7 @@ class AttentionMatching(KVzip):
     reference: str = "repeat"
     continue_tokens: int = 512
     ridge: float = 0.0
+    ridge_to: str = "zero"
 
     def __post_init__(self):
         super().__post_init__()
@@ -169,6 +176,10 @@ class AttentionMatching(KVzip):
         check_int(self.name, "continue_tokens", self.continue_tokens, 1)
         check_float(self.name, "ridge", self.ridge, 0.0, 1.0)
         self.ridge = float(self.ridge)
+        check_choice(self.name, "ridge_to", self.ridge_to, RIDGE_TARGETS)
+        if self.ridge_to != "zero" and self.ridge == 0:
+            raise InputError(f"am: --ridge-to {self.ridge_to} (ridge_to={self.ridge_to!r}) shrinks the fitted values "
+                             "through the ridge, which is 0; give --ridge too (e.g. --ridge 1)")
         if self.on_policy and self.reference != "repeat":
             raise InputError(f"am: --on-policy (on_policy) recomputes the repeat pass's queries and cannot be combined "
                              f"with --reference {self.reference} (reference={self.reference!r}); use --reference "
@@ -255,7 +266,8 @@ class AttentionMatching(KVzip):
                     continue  # as KVzip selected it (nothing kept, or nothing evicted): beta = 0, values copied
                 k_ctx, v_ctx = keys[h, sink:], values[h, sink:]
                 fit = fit_head(k_ctx, v_ctx, fit_q[h], kept, scaling, fit_values=self.values == "fit",
-                               shift=self.shift, ridge=self.ridge)
+                               shift=self.shift, ridge=self.ridge,
+                               ridge_to=self.ridge_to)
                 new_values = fit.values
                 if self.values == "merge" and len(kept) < k_ctx.shape[0]:
                     evicted = (~keep[i, h]).nonzero().squeeze(1).to(keys.device)

@@ -79,8 +79,8 @@ def nnls_box(M: torch.Tensor, y: torch.Tensor, low: float, high: float, iters: i
     return w
 
 
-def least_squares(X: torch.Tensor, Y: torch.Tensor, fallback: torch.Tensor | None = None, ridge: float = 0.0
-                  ) -> torch.Tensor:
+def least_squares(X: torch.Tensor, Y: torch.Tensor, fallback: torch.Tensor | None = None, ridge: float = 0.0,
+                  prior: torch.Tensor | None = None) -> torch.Tensor:
     """``argmin_C ||X C - Y||^2`` in float32: the normal equations ``X^T X C = X^T Y`` by Cholesky when ``n >= t``
     (one ``[t, n] x [n, t]`` product: 2-3x faster than QR on CPU, measured in BENCHMARKS.md), else the
     minimum-norm solution ``X^T (X X^T)^-1 Y``.
@@ -92,12 +92,14 @@ def least_squares(X: torch.Tensor, Y: torch.Tensor, fallback: torch.Tensor | Non
     pseudo-inverse (``torch.linalg.pinv``). arXiv 2602.16284
     §3.2 (the paper's code offers ``lstsq``, ``cholesky`` and ``pinv`` solvers, with a 1e-6 ridge fallback).
 
-    With ``ridge > 0`` the ridge-regularised system ``(X^T X + ridge x mean(diag(X^T X)) I) C = X^T Y`` is solved
-    first, whatever the conditioning (kvpack's option, not the paper's default: BENCHMARKS.md, "Attention
-    Matching"); the steps above are its fallback.
+    With ``ridge > 0`` the ridge-regularised system ``(X^T X + lambda I) C = X^T Y + lambda P`` with ``lambda =
+    ridge x mean(diag(X^T X))`` is solved first, whatever the conditioning: ``argmin ||X C - Y||^2 + lambda ||C -
+    P||^2``, which shrinks ``C`` toward ``P = prior`` (zeros by default) (kvpack's option, not the paper's default:
+    BENCHMARKS.md, "Attention Matching"); the steps above are its fallback.
 
     Args:
-        X: ``[n, t]`` float32; Y: ``[n, k]`` float32; fallback: optional ``[t, k]``; ridge: ``>= 0``.
+        X: ``[n, t]`` float32; Y: ``[n, k]`` float32; fallback: optional ``[t, k]``; ridge: ``>= 0``; prior:
+            optional ``[t, k]`` float32, what the ridge shrinks toward (used only with ``ridge > 0``).
 
     Returns:
         ``[t, k]`` float32.
@@ -110,7 +112,8 @@ def least_squares(X: torch.Tensor, Y: torch.Tensor, fallback: torch.Tensor | Non
         lam = ridge * float(gram.diagonal().mean().clamp_min(1e-30))
         factor, info = torch.linalg.cholesky_ex(gram + lam * torch.eye(t, dtype=gram.dtype, device=gram.device))
         if int(info) == 0:
-            C = torch.cholesky_solve(X.T @ Y, factor)
+            rhs = X.T @ Y if prior is None else X.T @ Y + lam * prior
+            C = torch.cholesky_solve(rhs, factor)
             if bool(torch.isfinite(C).all()):
                 return C
     try:
@@ -148,7 +151,7 @@ class HeadFit:
 
 def fit_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, kept: torch.Tensor, scaling: float,
              fit_values: bool = True, beta_range: tuple[float, float] = BETA_RANGE, iters: int = NNLS_ITERS,
-             shift: str = "lse", ridge: float = 0.0) -> HeadFit:
+             shift: str = "lse", ridge: float = 0.0, ridge_to: str = "zero") -> HeadFit:
     """Fit beta (mass matching) and, if ``fit_values``, the values of one head's kept entries (module docstring).
 
     Args:
@@ -160,10 +163,14 @@ def fit_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, ke
         beta_range: bounds of beta; iters: projected-gradient steps of ``nnls_box``.
         shift: ``"lse"`` or ``"max"`` (module docstring).
         ridge: the values' ridge (``least_squares``), ``0`` for plain least squares (the paper's).
+        ridge_to: ``"zero"`` or ``"selected"``: the ridge shrinks the values toward zero or toward the kept
+            entries' own values (``least_squares``'s ``prior``).
 
     Returns:
-        ``HeadFit`` (``t = 0``: empty tensors). Raises ``ValueError`` for another ``shift``.
+        ``HeadFit`` (``t = 0``: empty tensors). Raises ``ValueError`` for another ``shift`` or ``ridge_to``.
     """
+    if ridge_to not in ("zero", "selected"):
+        raise ValueError(f"fit_head: ridge_to must be 'zero' or 'selected', got {ridge_to!r}")
     t = kept.shape[0]
     if t == 0:
         return HeadFit(keys.new_zeros(0), values.new_zeros(0, values.shape[1]), 0.0)
@@ -186,7 +193,8 @@ def fit_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, ke
     if not fit_values:
         return HeadFit(w.log(), copied.clone(), mass_error)
     X = (M * w) / mass[:, None]  # [n, t]
-    return HeadFit(w.log(), least_squares(X, target, fallback=copied, ridge=ridge), mass_error)
+    prior = copied if ridge_to == "selected" else None
+    return HeadFit(w.log(), least_squares(X, target, fallback=copied, ridge=ridge, prior=prior), mass_error)
 
 
 def context_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
