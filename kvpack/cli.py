@@ -413,22 +413,28 @@ def ls(folder, as_json, storage_option):
     """List the packs under FOLDER (a build's --out): pack, source, method (with the options that differ from its
     defaults, e.g. am[reference=both]), ratio, quantization, tokens, bytes, model.
 
-    Only headers are read (fast); use verify to check every checksum.
+    Only headers are read (fast); use verify to check every checksum. Exit status 1 if some pack is unreadable
+    (each is listed, and why is printed after the table).
     """
     rows = list_packs(folder, storage_options=storage.parse_storage_options(storage_option))
+    bad = [r for r in rows if r["error"] is not None]
     if as_json:
         click.echo(json.dumps(rows, indent=1, ensure_ascii=False))
-        return
-    table = [(r["pack"], (r["source"] or {}).get("name") or "?", method_label(r["method"], r["method_params"]),
-              f"{r['ratio']:g}" if isinstance(r["ratio"], (int, float)) else "?", str(r["quant"] or "none"),
-              f"{r['tokens']:,}", f"{r['bytes']:,}", r["model"] or "?") if r["error"] is None
-             else (r["pack"], f"unreadable: {r['error']}", "", "", "", "", "", "") for r in rows]
-    if table:
-        click.echo(_table(("pack", "source", "method", "ratio", "quant", "tokens", "bytes", "model"), table,
-                          right=(3, 5, 6)))
-    ok = [r for r in rows if r["error"] is None]
-    click.echo(f"{len(rows)} packs in {folder}, {sum(r['bytes'] for r in ok):,} bytes"
-               + (f"; {len(rows) - len(ok)} unreadable" if len(ok) < len(rows) else ""))
+    else:
+        table = [(r["pack"], (r["source"] or {}).get("name") or "?", method_label(r["method"], r["method_params"]),
+                  f"{r['ratio']:g}" if isinstance(r["ratio"], (int, float)) else "?", str(r["quant"] or "none"),
+                  f"{r['tokens']:,}", f"{r['bytes']:,}", r["model"] or "?") if r["error"] is None
+                 else (r["pack"], "unreadable (below)", "", "", "", "", "", "") for r in rows]
+        if table:
+            click.echo(_table(("pack", "source", "method", "ratio", "quant", "tokens", "bytes", "model"), table,
+                              right=(3, 5, 6)))
+        for r in bad:
+            click.echo(f"unreadable: {printable(r['pack'])}: {printable(r['error'])}")
+        click.echo(f"{len(rows)} packs in {printable(str(folder))}, "
+                   f"{sum(r['bytes'] for r in rows if r['error'] is None):,} bytes"
+                   + (f"; {len(bad)} unreadable" if bad else ""))
+    if bad:
+        sys.exit(1)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -136,8 +136,9 @@ def parse_header(src: Source) -> Container:
     if n > C.MAX_HEADER_BYTES:
         raise corrupt(f"the header length {n} exceeds the {C.MAX_HEADER_BYTES}-byte limit")
     if n > size - C.LENGTH_PREFIX_BYTES:
-        raise TruncatedFileError(f"{name} is cut inside its header ({n}-byte header declared, "
-                                 f"{size - C.LENGTH_PREFIX_BYTES} bytes present); {RECOPY}")
+        raise TruncatedFileError(f"{name} is cut inside its header: the file has {size:,} bytes, but its length "
+                                 f"prefix declares a {n:,}-byte header ({size - C.LENGTH_PREFIX_BYTES:,} bytes "
+                                 f"present); {RECOPY}")
     if n % C.HEADER_ALIGNMENT:
         raise corrupt(f"the header length {n} is not a multiple of {C.HEADER_ALIGNMENT}")
     raw = src.read(C.LENGTH_PREFIX_BYTES, n)
@@ -193,7 +194,8 @@ def parse_header(src: Source) -> Container:
     tensors = {t: tensors[t] for t in order}
     data_len = size - C.LENGTH_PREFIX_BYTES - n
     if end > data_len:
-        raise TruncatedFileError(f"{name} is cut inside its data ({end} bytes declared, {data_len} present); {RECOPY}")
+        raise TruncatedFileError(f"{name} is cut inside its data: the file has {size:,} bytes of the "
+                                 f"{size + end - data_len:,} its header declares; {RECOPY}")
     if end < data_len:
         raise corrupt(f"{data_len - end} unexpected bytes follow the last tensor")
     if C.META_TENSOR_CODECS in meta:

@@ -95,11 +95,12 @@ def list_packs(folder: str | os.PathLike, *, storage_options: dict | None = None
     are then absent).
 
     Raises:
-        InputError: ``folder`` is not a folder.
+        InputError: ``folder`` does not exist or is a file.
     """
     root = storage.as_path(folder)
     if not storage.is_dir(root, storage_options):
-        raise InputError(f"{root}: not a folder; pass the folder a build wrote (its --out)")
+        what = "is a file, not a folder" if storage.is_file(root, storage_options) else "no such folder"
+        raise InputError(f"{root}: {what}; pass the folder a build wrote (its --out)")
     records = read_manifest(root, storage_options=storage_options)
     rows = []
     for path, parts in storage.walk_files(root, (C.FILE_SUFFIX,), storage_options):

@@ -14,6 +14,8 @@ from click.testing import CliRunner
 
 import kvpack.build
 from kvpack.cli import cli
+from kvpack.errors import InputError
+from kvpack.listing import list_packs
 from kvpack.manifest import read_manifest
 
 from .tiny import TEXT, tiny_config, tiny_model, tiny_tokenizer
@@ -171,13 +173,20 @@ def test_ls_info_and_verify_take_folders_and_several_files(llama, tmp_path):
     out = tmp_path / "packs"
     _run(["build", str(docs), "--model", llama, "--device", "cpu", "--chunk-size", "64", "--out", str(out)])
     (out / "junk.kvpack").write_bytes(b"not a pack at all")
-    res = _run(["ls", str(out)])
+    res = _run(["ls", str(out)], code=1)  # listed, and the exit status says one is unreadable
     assert re.search(r"^pack\s+source\s+method\s+ratio\s+quant\s+tokens\s+bytes\s+model$", res.stdout, re.M)
     assert re.search(rf"^a\.kvpack\s+a\.txt\s+kvzip\s+0\.3\s+none\s+\d+\s+[\d,]+\s+{re.escape(llama)}$", res.stdout,
                      re.M)
     assert re.search(r"^sub/b\.kvpack\s+sub/b\.md\s+kvzip", res.stdout, re.M)
-    assert re.search(r"^junk\.kvpack\s+unreadable: ", res.stdout, re.M)
-    rows = json.loads(_run(["ls", str(out), "--json"]).stdout)
+    assert re.search(r"^junk\.kvpack\s+unreadable \(below\)\s*$", res.stdout, re.M)
+    assert re.search(r"^unreadable: junk\.kvpack: .*not a kvpack file", res.stdout, re.M)
+    good = (out / "a.kvpack").stat().st_size + (out / "sub" / "b.kvpack").stat().st_size
+    assert res.stdout.rstrip().endswith(f"3 packs in {out}, {good:,} bytes; 1 unreadable")
+    assert max(map(len, res.stdout.splitlines()[:4])) < 200  # the error is not a table column
+    assert "no such folder" in _run(["ls", str(tmp_path / "missing")], code=1).stderr
+    with pytest.raises(InputError, match="is a file, not a folder"):  # the CLI's argument parser refuses it first
+        list_packs(out / "a.kvpack")
+    rows = json.loads(_run(["ls", str(out), "--json"], code=1).stdout)
     assert [r["pack"] for r in rows] == ["a.kvpack", "junk.kvpack", "sub/b.kvpack"]
     assert rows[0]["bytes"] == (out / "a.kvpack").stat().st_size and rows[0]["model"] == llama
     assert rows[1]["error"] and rows[2]["source"]["name"] == "sub/b.md"

@@ -267,6 +267,20 @@ def test_file_objects_read_like_paths(name):
         load_pack(_Unbuffered(path.read_bytes()[:-1]))
 
 
+def test_truncation_messages_give_the_file_size_and_what_the_header_declares(tmp_path):
+    data = (GOLDEN_DIR / "small_f32.kvpack").read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    cut = tmp_path / "cut.kvpack"
+    cut.write_bytes(data[:-10])
+    with pytest.raises(TruncatedFileError, match=rf"cut inside its data: the file has {len(data) - 10:,} bytes of "
+                                                 rf"the {len(data):,} its header declares"):
+        load_pack(cut)
+    cut.write_bytes(data[: n - 8])
+    with pytest.raises(TruncatedFileError, match=rf"cut inside its header: the file has {n - 8:,} bytes, but its "
+                                                 rf"length prefix declares a {n:,}-byte header"):
+        read_header(cut)
+
+
 def test_raw_tensors_of_a_path_are_memory_mapped_and_private(tmp_path):
     path = tmp_path / "a.kvpack"
     save(random_pack(torch.float32, [[300, 200]], head_dim=64, head_dim_v=64, tokens=400), path)

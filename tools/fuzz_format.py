@@ -21,8 +21,8 @@ is reproducible and resumable):
   drawn a quarter as often as the others.
 
 Every file goes through ``read_header``, ``verify`` and ``load_pack`` (a file that loads is then range-checked
-as ``kvpack.load`` does, laid out as a ``KvpackCache`` if it passes, and written back, none of which may fail with
-an untyped error). Progress goes to ``--out``/log.txt every
+as ``kvpack.load`` does, laid out as a ``KvpackCache`` and written back if it passes, none of which may fail with
+an untyped error; one that fails the range check must be refused by the writer too, with ``InputError``). Progress goes to ``--out``/log.txt every
 ``--log-every`` files; the state (counts, slowest case, peak RSS) to ``--out``/state.json, from which a rerun
 resumes; files that broke a rule are kept under ``--out``/failures/ with the traceback.
 
