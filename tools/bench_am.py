@@ -129,6 +129,9 @@ def main() -> None:
     args = ap.parse_args()
     ratios = [float(r) for r in args.ratios.split(",")]
     budgets, variants = args.budgets.split(","), args.variants.split(",")
+    for name in variants:  # one KVzip scoring pass serves every variant: plain kvzip or am[...] only
+        if name != "kvzip" and parse_method_spec(name)[0] != "am":
+            ap.error(f"--variants: {name!r} is neither kvzip nor an am[...] spec (kvzip takes no options here)")
     model, tok = kvpack.load_model(args.model)
     results = {"command": " ".join(sys.argv), "continuation": [], "multiquery": []}
     t0 = time.perf_counter()
