@@ -42,7 +42,7 @@ from .container import remove_stale_temps
 from .fileformat import PackHeader, check_storage_args, read_header, save, verify
 from .fingerprint import check_fingerprint, model_fingerprint
 from .layout import chat_layout
-from .manifest import ManifestWriter, read_manifest
+from .manifest import MANIFEST_NAME, ManifestWriter, read_manifest
 from .methods import get_method
 from .model import model_spec
 from .names import part_name
@@ -267,6 +267,10 @@ def _check_writable(out: Path | str, storage_options: dict | None = None) -> Non
     except OSError as exc:
         raise InputError(f"cannot write to the output folder {out}: {exc.strerror or exc}; pass another --out "
                          "or fix its permissions") from None
+    manifest = out / MANIFEST_NAME
+    if manifest.exists() and not manifest.is_file():
+        raise InputError(f"{manifest} is not a file, so the build cannot record its packs there; remove it or pass "
+                         "another --out")
     remove_stale_temps(out)  # temporary files of saves killed in an earlier run (never a live writer's)
 
 

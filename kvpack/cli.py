@@ -232,11 +232,15 @@ def build(inputs, model_name, method, ratio, out_dir, device, dtype, chunk_size,
     if not use_ray and (ray_address is not None or workers is not None or gpus_per_worker):
         raise InputError("--ray-address, --workers and --gpus-per-worker need --ray")
     so = storage.parse_storage_options(storage_option)
-    contexts = discover_contexts(inputs, storage_options=so)
-    out = storage.as_path(out_dir) if out_dir is not None else default_out_dir(inputs)
-    model_id = model_identity(model_name, device=device, dtype=dtype)  # checks --model before anything loads
-    plan = plan_build(contexts, out, settings, model_id=model_id, overwrite=overwrite, split=split,
-                      storage_options=so)
+    try:  # reading the inputs and planning write nothing, so an interrupt here loses nothing
+        contexts = discover_contexts(inputs, storage_options=so)
+        out = storage.as_path(out_dir) if out_dir is not None else default_out_dir(inputs)
+        model_id = model_identity(model_name, device=device, dtype=dtype)  # checks --model before anything loads
+        plan = plan_build(contexts, out, settings, model_id=model_id, overwrite=overwrite, split=split,
+                          storage_options=so)
+    except KeyboardInterrupt:
+        click.echo("interrupted while reading the inputs: nothing was built", err=True)
+        sys.exit(130)
     _set_threads(threads)
     model = tokenizer = None
     results, interrupted = [], False

@@ -12,8 +12,10 @@ so sources may be local files or URLs alike::
 * A ``.txt``/``.md`` file ``dir/name.ext`` becomes ``dir/name``; a ``.jsonl`` file's line with id ``ID`` becomes
   ``dir/<jsonl stem>/ID`` (its line number when the line has no id).
 * Unicode is kept (``résumé.txt`` -> ``résumé``, ``文档.txt`` -> ``文档``); only what common file systems
-  refuse is replaced by ``_``: the characters ``< > : " / \\ | ? *``, control characters, trailing dots and spaces, and
-  Windows' reserved device names (``CON``, ``NUL``, ``COM1``, ...). A component longer than 200 UTF-8 bytes is
+  refuse is replaced by ``_``: the characters ``< > : " / \\ | ? *``, control characters, unpaired surrogates (the
+  bytes of a file name that is not UTF-8, as Python decodes them), trailing dots and spaces, a leading dot (a pack
+  is never a hidden file, which ``kvpack ls`` would skip), and Windows' reserved device names (``CON``, ``NUL``,
+  ``COM1``, ...). A backslash separates folders only in Windows paths; elsewhere it is a character of the name. A component longer than 200 UTF-8 bytes is
   cut and given an 8-hex-digit hash of the whole name.
 * No two contexts get one pack: names are compared case-insensitively after Unicode NFC normalisation (so packs can
   sit side by side on macOS and Windows); within a clashing group the first context (in input order) keeps the name
@@ -24,6 +26,7 @@ so sources may be local files or URLs alike::
 from __future__ import annotations
 
 import hashlib
+import os
 import posixpath
 import re
 import unicodedata
@@ -35,7 +38,7 @@ __all__ = ["PACK_SUFFIX", "safe_component", "input_base", "relative_source", "pa
 #: Suffix of a pack file.
 PACK_SUFFIX = ".kvpack"
 
-_REFUSED = re.compile(r'[<>:"/\\|?*\x00-\x1f\x7f]')
+_REFUSED = re.compile('[<>:"/\\\\|?*\x00-\x1f\x7f\ud800-\udfff]')
 _RESERVED = {"CON", "PRN", "AUX", "NUL", *(f"COM{i}" for i in range(1, 10)), *(f"LPT{i}" for i in range(1, 10))}
 _MAX_BYTES = 200
 
@@ -45,6 +48,8 @@ def safe_component(name: str) -> str:
     out = _REFUSED.sub("_", name).rstrip(". ")
     if out in ("", ".", ".."):
         out = "_"
+    if out.startswith("."):  # a hidden file: kvpack ls and folder walks skip those
+        out = "_" + out[1:]
     if out.split(".")[0].upper() in _RESERVED:
         out = "_" + out
     if len(out.encode("utf-8")) > _MAX_BYTES:
@@ -60,7 +65,7 @@ def input_base(inputs: Sequence[str], is_folder: Sequence[bool]) -> str:
 
     ``inputs`` are POSIX-style paths or URL paths, as given; ``is_folder[i]`` says whether input ``i`` is a folder.
     """
-    paths = [posixpath.normpath(p.replace("\\", "/")) for p in inputs]
+    paths = [posixpath.normpath(_slashes(p)) for p in inputs]
     if len(paths) == 1 and is_folder[0]:
         return paths[0]
     parents = [posixpath.dirname(p) for p in paths]
@@ -70,10 +75,15 @@ def input_base(inputs: Sequence[str], is_folder: Sequence[bool]) -> str:
     return posixpath.commonpath(parents) if any(parents) else ""
 
 
+def _slashes(path: str) -> str:
+    """``path`` with Windows' backslash separators as ``/`` (on Windows only: a POSIX name may hold ``\\``)."""
+    return path.replace("\\", "/") if os.sep == "\\" else path
+
+
 def relative_source(base: str, path: str) -> str:
     """``path`` relative to ``base`` as a POSIX path (``a/notes.txt``); both as ``input_base`` takes them."""
-    base = posixpath.normpath(base.replace("\\", "/")) if base else "."
-    rel = posixpath.relpath(posixpath.normpath(path.replace("\\", "/")), base)
+    base = posixpath.normpath(_slashes(base)) if base else "."
+    rel = posixpath.relpath(posixpath.normpath(_slashes(path)), base)
     return rel if not rel.startswith("../") else posixpath.basename(path)
 
 

@@ -21,6 +21,7 @@ from typing import Callable, Iterable
 from . import storage
 from .container import has_lone_surrogate
 from .errors import InputError
+from .manifest import MANIFEST_NAME
 from .names import PACK_SUFFIX, input_base, pack_names, part_name, relative_source
 
 __all__ = ["SUFFIXES", "Context", "discover_contexts", "split_text"]
@@ -28,7 +29,7 @@ __all__ = ["SUFFIXES", "Context", "discover_contexts", "split_text"]
 #: File suffixes ``discover_contexts`` reads; other files inside folders are skipped.
 SUFFIXES = (".txt", ".md", ".jsonl", ".parquet")
 _JSONL_HINT = 'each line must be one JSON object like {"id": "doc1", "text": "..."}'
-_PARAGRAPH_END = re.compile(r"\n[ \t]*\n\s*")
+_PARAGRAPH_END = re.compile(r"\r?\n[ \t]*\r?\n\s*")  # a blank line, LF or CRLF, and any blank lines after it
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,11 @@ def discover_contexts(inputs: Iterable[str | os.PathLike], *, storage_options: d
     """Read the contexts in ``inputs`` (files or folders), in a deterministic order, with mirrored pack names.
 
     Folders are walked recursively in sorted order; files and folders whose names start with ``.`` are ignored, as
-    are files with a suffix other than ``.txt``, ``.md``, ``.jsonl`` and ``.parquet``. Inputs are taken in the order
-    given; a file reached twice (named, and inside a named folder) is read once. Names follow ``kvpack.names``:
+    are files with a suffix other than ``.txt``, ``.md``, ``.jsonl`` and ``.parquet``, a build's own
+    ``kvpack-manifest.jsonl`` (an ``--out`` inside an input folder) and folders reached through a symbolic link
+    (never followed, so a link loop cannot recurse). Inputs are taken in the order given; a file reached twice
+    (named, and inside a named folder, or through a symbolic link) is read once. A symbolic link to a file is named
+    after the link, not its target. Names follow ``kvpack.names``:
     relative to the one folder input (or the inputs' common parent), a jsonl file's lines under a folder named after
     it.
 
@@ -94,8 +98,8 @@ def discover_contexts(inputs: Iterable[str | os.PathLike], *, storage_options: d
       and an optional ``id`` column, as a jsonl line (``line`` is the 1-based row number). Only those two
       columns are read, by range for a URL (the footer, then their column chunks).
 
-    A context that cannot be built gets ``error`` (the file is empty, holds NUL bytes, is not UTF-8 or cannot be
-    read; a jsonl line or Parquet row has no non-empty string ``text`` or a bad ``id``; a Parquet file cannot be
+    A context that cannot be built gets ``error`` (the file is empty, holds NUL bytes, is not UTF-8, is not a
+    regular file (a pipe would block the read) or cannot be read; a jsonl line or Parquet row has no non-empty string ``text`` or a bad ``id``; a Parquet file cannot be
     read or has no ``text`` column); the rest are read.
 
     Returns:
@@ -112,8 +116,8 @@ def discover_contexts(inputs: Iterable[str | os.PathLike], *, storage_options: d
     files: list[Path | str] = []
     folders = [storage.is_dir(p, so) and not storage.is_file(p, so) for p in inputs]
     for path, folder in zip(inputs, folders):
-        if folder:
-            files.extend(f for f, _ in storage.walk_files(path, SUFFIXES, so))
+        if folder:  # a build's own manifest (an --out inside the input folder) is never a corpus file
+            files.extend(f for f, parts in storage.walk_files(path, SUFFIXES, so) if parts[-1] != MANIFEST_NAME)
         elif storage.is_file(path, so):
             suffix = posixpath.splitext(storage.name_of(path))[1]
             if suffix.lower() not in SUFFIXES:
@@ -129,27 +133,48 @@ def discover_contexts(inputs: Iterable[str | os.PathLike], *, storage_options: d
         raise InputError(f"no .txt, .md, .jsonl or .parquet files found in {', '.join(str(i) for i in inputs)}; "
                          "pass files or folders that hold some")
     seen, unique = set(), []
-    for f in files:  # a file named twice (or a file and its folder) counts once
-        if _posix(f) not in seen:
-            seen.add(_posix(f))
+    for f in files:  # a file named twice (or a file and its folder, or a link to it) counts once
+        if _resolved(f) not in seen:
+            seen.add(_resolved(f))
             unique.append(f)
     base = input_base([_posix(p) for p in inputs], folders)
     drafts: list[Context] = []
     for f in unique:
-        drafts.extend(_read_file(f, relative_source(base, _posix(f)), so))
-    names = pack_names((c.source, None if c.line is None else (c.id if c.id is not None else str(c.line)))
-                       for c in drafts)
-    return [replace(c, name=n) for c, n in zip(drafts, names)]
+        drafts.extend(_read_file(f, _as_text(relative_source(base, _posix(f))), so))
+    # contexts that can be built are named first, so a bad line never takes a good line's name (nor changes it
+    # when it is fixed); the failed ones, which write nothing, take what is left
+    order = sorted(range(len(drafts)), key=lambda i: drafts[i].error is not None)
+    names = pack_names((drafts[i].source, None if drafts[i].line is None else
+                        (drafts[i].id if drafts[i].id is not None else str(drafts[i].line))) for i in order)
+    named = dict(zip(order, names))
+    return [replace(c, name=named[i]) for i, c in enumerate(drafts)]
 
 
 def _posix(path: Path | str) -> str:
-    """A URL as it is, a local path resolved, as POSIX (what ``kvpack.names`` compares)."""
+    """A URL as it is, a local path made absolute (symbolic links kept: a link is named after itself), as POSIX
+    (what ``kvpack.names`` compares)."""
+    return path if storage.is_url(path) else Path(os.path.abspath(path)).as_posix()
+
+
+def _as_text(name: str) -> str:
+    """``name`` with the bytes of a file name that is not UTF-8 (which Python decodes as lone surrogates) written
+    as ``\\xNN``: the text a pack header, the manifest and a terminal can hold (``bad\\xff.txt``)."""
+    try:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # surrogates no file system decoding makes
+        return name.encode("utf-8", "surrogatepass").decode("utf-8", "backslashreplace")
+
+
+def _resolved(path: Path | str) -> str:
+    """A URL as it is, a local path with its symbolic links resolved: one key per file however it is reached."""
     return path if storage.is_url(path) else path.resolve().as_posix()
 
 
 def _read_text(path: Path | str, storage_options: dict | None = None) -> tuple[str | None, str | None]:
     """``(text, None)``, or ``(None, why it is not text)``."""
     try:
+        if not storage.is_url(path) and path.exists() and not path.is_file():  # a FIFO would block the read forever
+            return None, "not a regular file (a pipe, socket or device); pass regular files"
         data = storage.read_bytes(path, storage_options) if storage.is_url(path) else path.read_bytes()
     except InputError as exc:
         return None, str(exc)

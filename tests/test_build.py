@@ -80,7 +80,7 @@ def test_discover_mirrors_the_tree_and_keeps_unicode_names(tmp_path):
     names = {c.source + (f":{c.line}" if c.line else ""): c.name for c in discover_contexts([docs])}
     assert names == {"a/notes.txt": "a/notes", "b/notes.txt": "b/notes", "文档.txt": "文档", "报告.txt": "报告",
                      "résumé.txt": "résumé", "a b.txt": "a b", "what?.md": "what_",
-                     "d.jsonl:1": "d/.._x_y", "d.jsonl:2": "d/.._x_y-2"}  # ids made unique
+                     "d.jsonl:1": "d/_._x_y", "d.jsonl:2": "d/_._x_y-2"}  # ids made unique, never hidden
     # two folder inputs mirror under their own names; two files keep their folders below the common parent
     assert [c.name for c in discover_contexts([docs / "a", docs / "b"])] == ["a/notes", "b/notes"]
     assert [c.name for c in discover_contexts([docs / "a" / "notes.txt", docs / "b" / "notes.txt"])] == [
@@ -140,6 +140,51 @@ def test_discover_errors_and_bad_files(tmp_path):
     assert errors["empty.txt"].startswith("the file is empty")
     assert errors["latin.txt"].startswith("not valid UTF-8 text (byte 3)")
     assert errors["nul.txt"].startswith("not text: it holds NUL bytes (byte 3")
+
+
+def test_names_are_never_hidden_and_non_utf8_file_names_are_escaped(tmp_path):
+    """A pack whose name starts with a dot would be a hidden file (``kvpack ls`` skips those); the bytes of a file
+    name that is not UTF-8 are written as ``\\xNN`` in the source and replaced in the pack name; a backslash is a
+    character of a POSIX file name, not a folder separator."""
+    (tmp_path / ".notes.txt").write_text("hidden note", encoding="utf-8")
+    (tmp_path / "d.jsonl").write_text('{"id": ".env", "text": "a"}\n{"id": "...", "text": "b"}\n', encoding="utf-8")
+    names = [c.name for c in discover_contexts([tmp_path / ".notes.txt", tmp_path / "d.jsonl"])]
+    assert names == ["_notes", "d/_env", "d/_"]
+    if os.sep == "/":
+        raw = os.path.join(os.fsencode(tmp_path), b"bad\xff.txt")
+        with open(raw, "wb") as f:
+            f.write(b"some text")
+        (tmp_path / "a\\b.txt").write_text("slash", encoding="utf-8")
+        by_text = {c.text: c for c in discover_contexts([tmp_path]) if c.text in ("some text", "slash")}
+        assert (by_text["some text"].source, by_text["some text"].name) == ("bad\\xff.txt", "bad_xff")
+        assert (by_text["slash"].source, by_text["slash"].name) == ("a\\b.txt", "a_b")
+
+
+def test_a_walk_skips_a_builds_manifest_and_names_links_after_themselves(tmp_path):
+    docs = tmp_path / "docs"
+    (docs / "packs").mkdir(parents=True)
+    (docs / "a.txt").write_text("text a", encoding="utf-8")
+    (docs / "packs" / "kvpack-manifest.jsonl").write_text('{"pack": "a.kvpack"}\n', encoding="utf-8")
+    assert [c.source for c in discover_contexts([docs])] == ["a.txt"]  # an --out inside the input folder
+    if not hasattr(os, "symlink") or not hasattr(os, "mkfifo"):
+        return
+    (tmp_path / "target.txt").write_text("linked", encoding="utf-8")
+    os.symlink(tmp_path / "target.txt", docs / "alias.txt")
+    os.symlink("gone.txt", docs / "broken.txt")
+    os.symlink(docs, docs / "loop")  # a folder link: never followed
+    os.mkfifo(docs / "pipe.txt")  # reading it would block forever
+    ctxs = {c.source: c for c in discover_contexts([docs])}
+    assert set(ctxs) == {"a.txt", "alias.txt", "broken.txt", "pipe.txt"}
+    assert ctxs["alias.txt"].name == "alias" and ctxs["alias.txt"].text == "linked"
+    assert ctxs["broken.txt"].name == "broken" and ctxs["broken.txt"].error.startswith("cannot read the file")
+    assert ctxs["pipe.txt"].error.startswith("not a regular file")
+    assert [c.source for c in discover_contexts([docs / "alias.txt", tmp_path / "target.txt"])] == ["docs/alias.txt"]
+
+
+def test_a_bad_jsonl_line_never_takes_a_good_lines_name(tmp_path):
+    (tmp_path / "q.jsonl").write_text('oops not json\n{"id": "1", "text": "good doc"}\n', encoding="utf-8")
+    ctxs = discover_contexts([tmp_path])
+    assert [(c.line, c.name, c.error is None) for c in ctxs] == [(1, "q/1-2", False), (2, "q/1", True)]
 
 
 def test_default_out_dir_is_packs_beside_the_first_input(tmp_path):
@@ -237,6 +282,13 @@ def test_build_rebuilds_changed_text_damaged_files_and_other_models(tmp_path):
     res = build(discover_contexts([docs / "alpha.txt"]), qwen, qtok, out_dir=out, ratio=0.3, chunk_size=64)
     assert not res[0].skipped
     assert load_pack(out / "alpha.kvpack").metadata["fingerprint"]["architecture"] == "Qwen2ForCausalLM"
+
+
+def test_a_manifest_path_that_is_a_folder_is_refused_before_the_model_loads(tmp_path):
+    (tmp_path / "out" / "kvpack-manifest.jsonl").mkdir(parents=True)
+    (tmp_path / "a.txt").write_text("text", encoding="utf-8")
+    with pytest.raises(InputError, match="kvpack-manifest.jsonl is not a file"):
+        plan_build(discover_contexts([tmp_path / "a.txt"]), tmp_path / "out", build_settings())
 
 
 def test_build_validates_settings_before_writing(tmp_path):
@@ -421,6 +473,9 @@ def test_split_text_rules():
     assert split_text("aaaaaa\nbbbbbb\ncc\n\ndd", fits) == ["aaaaaa\n", "bbbbbb\ncc\n\n", "dd"]
     with pytest.raises(InputError, match="single line"):
         split_text("x" * 20, fits)
+    crlf = "aa\r\n\r\nbbb\r\ncccc\r\n"  # CRLF blank lines are paragraph boundaries too (not cut after bbb)
+    assert split_text(crlf, fits) == ["aa\r\n\r\n", "bbb\r\ncccc\r\n"]
+    assert split_text(crlf.replace("\r", ""), fits) == ["aa\n\n", "bbb\ncccc\n"]
 
 
 def test_special_token_strings_in_a_document_are_text(tmp_path):
