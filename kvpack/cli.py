@@ -13,7 +13,6 @@ The commands only parse and format: the work is in ``kvpack.build``, ``kvpack.li
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from .errors import InputError, KvpackError
 from .fileformat import load_pack, read_header
 from .generation import answer
 from .listing import describe_pack, info_text, list_packs, method_label, verify_report
-from .listing import printable, table as _table
+from .listing import json_text, printable, table as _table
 from .compact_cache import DEQUANTIZE
 from .loading import cache_from_pack, check_kv_range
 from .methods import METHODS
@@ -261,7 +260,7 @@ def build(inputs, model_name, method, ratio, out_dir, device, dtype, chunk_size,
         interrupted = True
     report = build_summary(results, out, interrupted=interrupted)
     if as_json:
-        click.echo(json.dumps(report, ensure_ascii=False, indent=1))
+        click.echo(json_text(report, indent=1))
     else:
         rows = [(r.name, f"{r.tokens:,}", f"{r.entries_kept:,}", f"{r.bytes_written:,}", f"{r.seconds:.2f}",
                  r.status.replace("_", " ")) for r in results]
@@ -357,7 +356,7 @@ def info(files, as_json, storage_option):
             if not as_json:
                 click.echo(f"error: {printable(exc)}", err=True)
     if as_json:
-        click.echo(json.dumps(rows, indent=1, ensure_ascii=False))
+        click.echo(json_text(rows, indent=1))
     if failed:
         sys.exit(1)
 
@@ -400,7 +399,7 @@ def verify(files, model_name, as_json, device, dtype, storage_option):
         else:
             click.echo(f"error: {printable(r['error'])}", err=True)
     if as_json:
-        click.echo(json.dumps(reports, indent=1, ensure_ascii=False))
+        click.echo(json_text(reports, indent=1))
     if not all(r["ok"] for r in reports):
         sys.exit(1)
 
@@ -423,7 +422,7 @@ def ls(folder, as_json, storage_option):
     rows = list_packs(folder, storage_options=storage.parse_storage_options(storage_option))
     bad = [r for r in rows if r["error"] is not None]
     if as_json:
-        click.echo(json.dumps(rows, indent=1, ensure_ascii=False))
+        click.echo(json_text(rows, indent=1))
     else:
         table = [(r["pack"], (r["source"] or {}).get("name") or "?", method_label(r["method"], r["method_params"]),
                   f"{r['ratio']:g}" if isinstance(r["ratio"], (int, float)) else "?", str(r["quant"] or "none"),
@@ -483,14 +482,17 @@ def ask(file, questions, model_name, max_new_tokens, temperature, seed, as_json,
         a = answer(model, tokenizer, cache, question, max_new_tokens=max_new_tokens, temperature=temperature,
                    seed=seed)
         if as_json:
-            click.echo(json.dumps({"question": question, "answer": a.text, "tokens": a.tokens,
-                                   "seconds": round(a.seconds, 4), "tokens_per_second": round(a.tokens_per_second, 2),
-                                   "load_seconds": round(load_seconds, 4), "model": name or REFERENCE_MODEL_NAME},
-                                  ensure_ascii=False))
+            click.echo(json_text({"question": question, "answer": a.text, "tokens": a.tokens,
+                                  "seconds": round(a.seconds, 4), "tokens_per_second": round(a.tokens_per_second, 2),
+                                  "load_seconds": round(load_seconds, 4), "model": name or REFERENCE_MODEL_NAME}))
         elif several:
-            click.echo(f"Q: {question}\nA: {a.text}")
+            click.echo(f"Q: {printable(question, keep=_TEXT_KEEP)}\nA: {printable(a.text, keep=_TEXT_KEEP)}")
         else:
-            click.echo(a.text)
+            click.echo(printable(a.text, keep=_TEXT_KEEP))
+
+
+#: Characters of questions and answers printed as they are (terminal controls are escaped: ``listing.printable``).
+_TEXT_KEEP = "\n\t"
 
 
 def _questions(given):

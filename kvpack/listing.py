@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import unicodedata
 from pathlib import Path
@@ -19,7 +20,8 @@ from . import storage
 from .fileformat import PackHeader, load_pack, read_header, verify
 from .manifest import read_manifest
 
-__all__ = ["describe_pack", "list_packs", "verify_report", "info_text", "table", "pairs", "printable", "method_label"]
+__all__ = ["describe_pack", "list_packs", "verify_report", "info_text", "table", "pairs", "printable", "json_text",
+           "method_label"]
 
 
 def method_label(method: Any, params: Any) -> str:
@@ -299,17 +301,33 @@ def _short(digest) -> str:
 _BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 
 
-def printable(text: Any) -> str:
+def _acts_on_terminal(c: str) -> bool:
+    return unicodedata.category(c) in ("Cc", "Cs", "Zl", "Zp") or c in _BIDI_CONTROLS
+
+
+def printable(text: Any, keep: str = "") -> str:
     """``str(text)`` with every character a terminal could act on written as its Python escape (``\\x1b``,
-    ``\\u202e``): control characters (ESC, BEL, DEL, the C1 codes, newlines too), surrogates, line and paragraph
-    separators and the bidirectional controls. Header strings are untrusted and must not clear a screen, retitle a
-    window or reorder a line; other text (accents, CJK, no-break spaces, emoji sequences) is left as it is. Raises
+    ``\\u202e``): control characters (ESC, BEL, DEL, the C1 codes, newlines too unless in ``keep``), surrogates,
+    line and paragraph separators and the bidirectional controls. Header strings are untrusted and must not clear a
+    screen, retitle a window or reorder a line; other text (accents, CJK, no-break spaces, emoji sequences) is left
+    as it is. ``keep``: characters left as they are (``"\\n\\t"`` for a generated answer's lines). Raises
     nothing."""
     text = str(text)
     if text.isprintable():
         return text
     return "".join(c.encode("unicode_escape", "backslashreplace").decode("ascii")
-                   if unicodedata.category(c) in ("Cc", "Cs", "Zl", "Zp") or c in _BIDI_CONTROLS else c for c in text)
+                   if c not in keep and _acts_on_terminal(c) else c for c in text)
+
+
+def json_text(obj: Any, **dumps_kwargs) -> str:
+    """``json.dumps(obj, ensure_ascii=False, **dumps_kwargs)`` with the characters ``printable`` escapes that JSON
+    leaves raw (the C1 controls, DEL, surrogates, line and paragraph separators, bidirectional controls) written as
+    ``\\uXXXX``: the same JSON value, safe to print on a terminal, other text still readable. Raises what
+    ``json.dumps`` raises."""
+    out = json.dumps(obj, ensure_ascii=False, **dumps_kwargs)
+    if out.isascii():
+        return out
+    return "".join(f"\\u{ord(c):04x}" if ord(c) >= 0x7f and _acts_on_terminal(c) else c for c in out)
 
 
 def pairs(rows) -> str:

@@ -5,6 +5,7 @@ print header strings without terminal control characters."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from kvpack.cli import cli
 from kvpack.compact import dequantize_compact, dequantized_range, dequantized_ranges
 from kvpack.errors import CorruptFileError, InputError
 from kvpack.fileformat import load_pack
-from kvpack.listing import printable
+from kvpack.listing import json_text, printable
 from kvpack.loading import cache_from_pack
 
 from .forge import with_f32_element
@@ -126,15 +127,26 @@ def test_printable_escapes_what_a_terminal_would_act_on():
     assert printable(printable("a\x1bb")) == printable("a\x1bb")
     assert printable("no\u00a0break, \U0001f469\u200d\U0001f4bb") == "no\u00a0break, \U0001f469\u200d\U0001f4bb"
     assert printable("a\nb\u2028c\ud800") == "a\\nb\\u2028c\\ud800"
+    assert printable("a\nb\tc\x1b", keep="\n\t") == "a\nb\tc\\x1b"  # an answer's lines stay lines
+
+
+def test_json_text_is_the_same_json_with_terminal_controls_escaped():
+    value = {"s\x9b": ["\x1b[2J\x9b31m\u202eevil\u2028\x7f", "é文 \U0001f469\u200d\U0001f4bb", 1.5, None]}
+    out = json_text(value, indent=1)
+    assert json.loads(out) == value
+    assert all(not (ord(c) >= 0x7f and printable(c) != c) for c in out) and "\x1b" not in out
+    assert "é文 \U0001f469\u200d\U0001f4bb" in out  # readable text stays as it is
 
 
 def test_ls_and_info_print_no_control_characters(tmp_path):
     model, tok = tiny_model("llama")
-    pack = kvpack.compress(model, tok, TEXT, ratio=0.5, source_name="\x1b]0;owned\x07\x1b[2Jevil.txt")
+    pack = kvpack.compress(model, tok, TEXT, ratio=0.5, source_name="\x1b]0;owned\x07\x1b[2J\x9b31mevil.txt")
     pack.metadata["method"] = "\x1b[31mkvzip"
     kvpack.save(pack, tmp_path / "x.kvpack")
     for args in (["ls", str(tmp_path)], ["info", str(tmp_path / "x.kvpack")]):
         result = CliRunner().invoke(cli, args)
         assert result.exit_code == 0, result.output
-        assert "\x1b" not in result.output and "\x07" not in result.output
+        assert "\x1b" not in result.output and "\x07" not in result.output and "\x9b" not in result.output
         assert "\\x1b" in result.output
+        result = CliRunner().invoke(cli, args + ["--json"])  # the same JSON values, no raw C1 control either
+        assert result.exit_code == 0 and "\x9b" not in result.output and "\\u009b" in result.output
