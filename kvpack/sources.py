@@ -99,8 +99,9 @@ def discover_contexts(inputs: Iterable[str | os.PathLike], *, storage_options: d
       columns are read, by range for a URL (the footer, then their column chunks).
 
     A context that cannot be built gets ``error`` (the file is empty, holds NUL bytes, is not UTF-8, is not a
-    regular file (a pipe would block the read) or cannot be read; a jsonl line or Parquet row has no non-empty string ``text`` or a bad ``id``; a Parquet file cannot be
-    read or has no ``text`` column); the rest are read.
+    regular file (a pipe would block the read) or cannot be read; a jsonl line or Parquet row has no non-empty
+    string ``text`` or a bad ``id``; a Parquet file cannot be read or has no ``text`` column); the rest are read.
+    A file name that is not UTF-8 is recorded with its bytes written as ``\\xNN``.
 
     Returns:
         The contexts, at least one.
