@@ -484,7 +484,7 @@ class _Run:
         s = self.plan.settings
         try:
             pack = compress(self.model, self.tokenizer, ctx.text, method=s["method"], ratio=s["ratio"],
-                            chunk_size=s["chunk_size"], source_name=ctx.source_name, progress=tracker,
+                            chunk_size=s["chunk_size"], source_name=_short(ctx.source_name), progress=tracker,
                             quant=s["quant"][0], group_size=s["quant"][1] or C.DEFAULT_GROUP_SIZE, **s["options"])
             if storage.is_url(path):
                 storage.makedirs(storage.parent_of(path), so)
@@ -499,6 +499,12 @@ class _Run:
                           time.perf_counter() - t0, "replaced" if existed else "built", None, ctx.source, ctx.id,
                           ctx.line, ctx.part, ctx.parts)
         return self.record(res, sha, pack.metadata["fingerprint"].get("weights_sha256"))
+
+
+def _short(name: str) -> str:
+    """``name`` cut to the ``C.MAX_SHORT_TEXT`` characters a pack records as its source: a deep path keeps its
+    end, after an ellipsis."""
+    return name if len(name) <= C.MAX_SHORT_TEXT else "\u2026" + name[-(C.MAX_SHORT_TEXT - 1):]
 
 
 def _reason(exc: BaseException, path: Path) -> str:

@@ -245,16 +245,29 @@ class KvpackCache(Cache):
         for layer in self.layers:
             layer.rewind()
 
-    def prepare_generate(self, input_ids: torch.Tensor) -> None:
+    def prepare_generate(self, input_ids: torch.Tensor, model=None) -> None:
         """Called (by the hook ``kvpack.load`` installs) when ``model.generate`` starts on this cache: check that
-        ``input_ids`` ``[1, tokens + question_tokens]`` start with the cached context, then ``rewind()``, so the
-        tokens after the context are fed afresh. A cache reused without ``rewind()`` thus answers as a fresh one
-        (a conversation continues by passing it whole).
+        ``input_ids`` ``[1, tokens + question_tokens]`` start with the cached context (and, given the ``model``,
+        that it still runs the ``"kvpack"`` attention in the cache's dtype), then ``rewind()``, so the tokens after
+        the context are fed afresh. A cache reused without ``rewind()`` thus answers as a fresh one (a
+        conversation continues by passing it whole).
 
         Raises:
             InputError: a batch larger than one; ``input_ids`` that do not start with the context's ids (e.g. only
-                the question's); the message says what to pass.
+                the question's); a model switched to another attention or cast to another dtype since the load;
+                the message says what to do.
         """
+        if model is not None:
+            impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+            if impl != "kvpack":
+                raise InputError(f"the model now uses the {impl!r} attention, which cannot read a KvpackCache; "
+                                 "call kvpack.attention.use_kvpack_attention(model) again (kvpack.load and "
+                                 "kvpack.generate switch it to 'kvpack')")
+            dtype = getattr(model, "dtype", None)
+            if self.layers and dtype is not None and dtype != self.layers[0].dtype:
+                raise InputError(f"the cache holds {str(self.layers[0].dtype).replace('torch.', '')} entries but the "
+                                 f"model now runs in {str(dtype).replace('torch.', '')}; load the pack again into "
+                                 "the model as it is now (kvpack.load casts the entries to the model's dtype)")
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise InputError(f"a loaded KvpackCache serves one sequence, got input_ids of shape {list(input_ids.shape)}"
                              "; call generate once per question (batch size 1), or load one cache per sequence")

@@ -452,9 +452,10 @@ def ls(folder, as_json, storage_option):
                    "built with it].")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True,
               help="Longest answer, in tokens.")
-@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+@click.option("--temperature", type=click.FloatRange(min=0.0, max=1e6), default=0.0, show_default=True,
               help="0: greedy decoding; above 0: sample at this temperature.")
-@click.option("--seed", type=int, default=None, help="Seed for sampling (with --temperature).")
+@click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None,
+              help="Seed for sampling (with --temperature).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per answer (JSON lines) with tokens, seconds, tokens/s and load time.")
 @click.option("--dequantize", type=click.Choice(DEQUANTIZE), default="at-load", show_default=True,

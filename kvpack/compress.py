@@ -12,6 +12,7 @@ from . import __version__
 from . import constants as C
 from .errors import InputError
 from .fingerprint import model_fingerprint
+from .generation import check_text
 from .layout import chat_layout
 from .methods import get_method
 from .methods.base import gather
@@ -70,14 +71,20 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
         A ``Pack`` (in memory); ``kvpack.save`` writes it.
 
     Raises:
-        InputError: empty text, text longer than ``max_context_tokens(model)``, ratio outside (0, 1],
+        InputError: text that is not a non-empty ``str`` of UTF-8 text (``generation.check_text``), a
+            ``source_name`` that is not a short ``str``, text longer than ``max_context_tokens(model)``, ratio outside (0, 1],
             chunk_size < 1, unknown method or option, unknown quant, group size not in (32, 64, 128) or not fitting
             the head size, ``stage_seconds`` not a dict.
         UnsupportedModelError: the model's architecture is not supported.
     """
-    if not isinstance(text, str) or not text.strip():
+    if not isinstance(source_name, str) or not source_name or len(source_name) > C.MAX_SHORT_TEXT:
+        raise InputError(f"source_name must be a non-empty str of at most {C.MAX_SHORT_TEXT} characters "
+                         f"(recorded in the pack as its source), got {type(source_name).__name__}")
+    check_text(source_name, "source_name")
+    check_text(text, f"{source_name}: the context")
+    if not text.strip():
         raise InputError(f"{source_name}: the context is empty; give a non-empty text")
-    if not (isinstance(ratio, (int, float)) and 0.0 < ratio <= 1.0):
+    if isinstance(ratio, bool) or not (isinstance(ratio, (int, float)) and 0.0 < ratio <= 1.0):
         raise InputError(f"ratio must be in (0, 1] (the fraction of KV entries kept), got {ratio!r}")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise InputError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}")

@@ -338,3 +338,7 @@ TEMP_INFIX = ".tmp."
 TEMP_RANDOM_BYTES = 4
 #: Mode the temporary file is created with (before the umask), as for ``open(path, "wb")``.
 TEMP_FILE_MODE = 0o666
+
+#: Longest string accepted in the short metadata fields (method, version, source name and hash), in characters
+#: (``kvpack.validate.metadata_problem``; ``kvpack.compress`` refuses a longer ``source_name``).
+MAX_SHORT_TEXT = 1024

@@ -169,6 +169,10 @@ def _file_parts(pack: Pack, zstd_level: int, checksum: str) -> tuple[bytes, list
     except (TypeError, ValueError) as exc:
         raise InputError(f"cannot write this pack: pack.metadata is not plain JSON ({exc}); use only dicts with "
                          "string keys, lists, strings, finite numbers, booleans and None") from exc
+    problem = metadata_problem(json.loads(kvpack_json), len(pack.layers), int(pack.token_ids.shape[0]))
+    if problem is not None:  # the reader's own rule: never write a file kvpack.load would refuse
+        raise InputError(f"cannot write this pack: its metadata would be refused by every reader ({problem}); "
+                         "fix the field (kvpack.compress writes valid metadata)")
     layers = pack.layers
     i32 = C.DTYPE_BY_CODE[C.INDEX_INT_CODE]
     tensors = {
@@ -228,7 +232,8 @@ def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
 
     Raises:
         InputError: the pack is inconsistent (``validate.pack_problem``), holds a key or value that is not finite
-            or lies beyond +-MAX_KV_ABS (``validate.kv_range_problem``), its metadata is not plain JSON (or has a
+            or lies beyond +-MAX_KV_ABS (``validate.kv_range_problem``), its metadata breaks the reader's rules
+            (``validate.metadata_problem``) or is not plain JSON (or has a
             ``sink_tokens`` key), a bad ``zstd_level`` or ``checksum``.
     """
     head, blobs = _file_parts(pack, zstd_level, checksum)

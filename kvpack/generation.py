@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 
+from .attention import use_kvpack_attention
 from .cache import KvpackCache
 from .errors import InputError
 from .layout import ChatLayout
 
-__all__ = ["generate", "answer", "Answer", "question_input_ids"]
+__all__ = ["generate", "answer", "Answer", "question_input_ids", "check_text"]
 
 
 def question_input_ids(tokenizer, cache: KvpackCache, question: str) -> torch.Tensor:
@@ -19,7 +21,17 @@ def question_input_ids(tokenizer, cache: KvpackCache, question: str) -> torch.Te
 
     The context's ids come first (transformers skips them, as they are cached); the question is laid out as the
     pack's chat layout says (same user turn, then the assistant header).
+
+    Raises:
+        InputError: ``cache`` is not a ``KvpackCache`` or records no chat layout; ``tokenizer`` is not a tokenizer;
+            ``question`` is not text (``check_text``).
     """
+    if not callable(getattr(tokenizer, "encode", None)):
+        raise InputError(f"tokenizer must be the model's tokenizer (from kvpack.load_model), got "
+                         f"{type(tokenizer).__name__}")
+    if not isinstance(cache, KvpackCache):
+        raise InputError(f"cache must be a KvpackCache (from kvpack.load), got {type(cache).__name__}")
+    check_text(question, "the question")
     meta = cache.metadata.get("layout")
     if not isinstance(meta, dict):
         raise InputError("this cache's pack records no chat layout (metadata 'layout'), so a question cannot be "
@@ -63,13 +75,21 @@ def answer(model, tokenizer, cache: KvpackCache, question: str, *, max_new_token
         seed: seeds torch's generator before sampling (``None``: not seeded).
 
     Raises:
-        InputError: ``max_new_tokens < 1``, a negative ``temperature``.
+        InputError: ``max_new_tokens < 1``; a ``temperature`` that is negative or not finite; a ``seed`` that is not
+            an integer in ``[0, 2**64)``; a question that is not text (or holds bytes that are not UTF-8); a
+            ``cache`` that is not a ``KvpackCache``; a model in another dtype than the cache (``kvpack.load``
+            casts to the model's dtype at load: load again after ``model.to(...)``); a context, question and
+            ``max_new_tokens`` that together need more positions than the model has.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be a positive number of tokens, got {max_new_tokens!r}")
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise InputError(f"temperature must be >= 0 (0: greedy), got {temperature!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise InputError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
+        raise InputError(f"seed must be an integer in [0, 2**64), got {seed!r}")
     ids = question_input_ids(tokenizer, cache, question)
+    _check_model(model, cache, ids.shape[1] + max_new_tokens)
     cache.rewind()
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -86,6 +106,36 @@ def answer(model, tokenizer, cache: KvpackCache, question: str, *, max_new_token
     seconds = time.perf_counter() - t0
     new = out[0, ids.shape[1]:]
     return Answer(tokenizer.decode(new, skip_special_tokens=True).strip(), int(new.shape[0]), seconds)
+
+
+def check_text(text, what: str) -> None:
+    """Raise ``InputError`` unless ``text`` is a ``str`` that UTF-8 can encode (no lone surrogates: bytes that
+    were not UTF-8, as Python decodes a command line or file names); ``what`` names it in the message."""
+    if not isinstance(text, str):
+        raise InputError(f"{what} must be a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(f"{what} is not valid text: character {exc.start} is a lone surrogate (bytes that are "
+                         "not UTF-8, e.g. from a terminal in another encoding); pass UTF-8 text") from None
+
+
+def _check_model(model, cache: KvpackCache, positions: int) -> None:
+    """The model can generate from ``cache``: the ``"kvpack"`` attention (switched on if it was switched off), the
+    cache's dtype, and ``positions`` (context, question and new tokens) within its position embeddings."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "generate"):
+        raise InputError(f"model must be a transformers causal LM (from kvpack.load_model), got "
+                         f"{type(model).__name__}")
+    use_kvpack_attention(model)
+    dtype = getattr(model, "dtype", None)
+    if cache.layers and dtype is not None and cache.layers[0].dtype != dtype:
+        raise InputError(f"the cache holds {str(cache.layers[0].dtype).replace('torch.', '')} entries but the model "
+                         f"runs in {str(dtype).replace('torch.', '')}; load the pack again into the model as it is "
+                         "now (kvpack.load casts the entries to the model's dtype)")
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and positions > limit:
+        raise InputError(f"the context, the question and max_new_tokens need {positions:,} positions, more than "
+                         f"the model's {limit:,}; shorten the question or lower max_new_tokens")
 
 
 def generate(model, tokenizer, cache: KvpackCache, question: str, *, max_new_tokens: int = 64,

@@ -11,7 +11,7 @@ from .attention import use_kvpack_attention
 from .cache import KvpackCache
 from .fileformat import load_pack
 from .fingerprint import _cached_fingerprint, check_fingerprint
-from .errors import CorruptFileError, ModelMismatchError
+from .errors import CorruptFileError, InputError, ModelMismatchError
 from .model import ModelSpec, model_spec
 from .pack import Pack
 from .source import REBUILD
@@ -29,8 +29,11 @@ def cache_from_pack(pack: Pack, model, tokenizer=None, *, device=None, where: st
     is cast to the model's dtype and placed on ``device`` (default: the model's device); the model is switched to
     the ``"kvpack"`` attention. ``dequantize``: as ``KvpackCache.from_pack``'s (``"at-load"`` or ``"on-the-fly"``).
     Raises ``ModelMismatchError`` naming both sides on any mismatch, ``CorruptFileError`` for KV out of range,
-    ``InputError`` for a bad ``dequantize``.
+    ``InputError`` for a bad ``dequantize`` or a ``model`` that is not a transformers model.
     """
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise InputError(f"model must be the transformers model the pack was built with (kvpack.load_model), got "
+                         f"{type(model).__name__}")
     check_shapes(pack, model_spec(model), model.dtype, where)
     check_kv_range(pack, where)
     current = _cached_fingerprint(model, tokenizer)  # read only
@@ -137,5 +140,5 @@ def _guarded_prefill(self, input_ids, generation_config, model_kwargs, *args, **
     cache = model_kwargs.get("past_key_values")
     first = kwargs.get("is_first_iteration", args[0] if args else True)
     if isinstance(cache, KvpackCache) and first and input_ids is not None and input_ids.numel():
-        cache.prepare_generate(input_ids)
+        cache.prepare_generate(input_ids, model=self)
     return type(self)._prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs)

@@ -51,7 +51,9 @@ class Source:
         try:
             self.path = os.fspath(source)
         except TypeError as exc:
-            raise InputError(f"cannot read {source!r}: expected a path, a binary file object or bytes") from exc
+            raise InputError(f"cannot read a {type(source).__name__}: expected a path, a binary file object or bytes"
+                             + ("; an in-memory Pack loads with kvpack.loading.cache_from_pack(pack, model)"
+                                if type(source).__name__ == "Pack" else "")) from exc
         self.name = self.path
         try:
             st = os.stat(self.path)

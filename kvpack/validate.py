@@ -19,8 +19,7 @@ __all__ = ["pack_problem", "kv_range_problem", "metadata_problem", "LAYER_KINDS"
 
 #: Values of the ``layer_kinds`` metadata.
 LAYER_KINDS = ("compressed", "sliding_intact")
-#: Longest string accepted in the short metadata fields (method, version, source name and hash).
-_MAX_SHORT = 1024
+_MAX_SHORT = C.MAX_SHORT_TEXT
 
 
 def kv_range_problem(pack: Pack) -> str | None:
