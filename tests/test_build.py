@@ -187,6 +187,20 @@ def test_a_bad_jsonl_line_never_takes_a_good_lines_name(tmp_path):
     assert [(c.line, c.name, c.error is None) for c in ctxs] == [(1, "q/1-2", False), (2, "q/1", True)]
 
 
+def test_a_source_path_longer_than_the_header_allows_is_recorded_by_its_end(tmp_path):
+    deep = tmp_path / "docs"
+    for k in range(5):  # 5 x 220 characters: a source path beyond the 1,024 a header's source name may hold
+        deep = deep / (f"{k}" * 220)
+    deep.mkdir(parents=True)
+    (deep / "a.txt").write_text(TEXT[:200], encoding="utf-8")
+    model, tok = tiny_model("llama")
+    out = tmp_path / "out"
+    (res,) = list(build(discover_contexts([tmp_path / "docs"]), model, tok, out_dir=out, chunk_size=64))
+    assert res.status == "built", res.error
+    name = load_pack(res.path).metadata["source"]["name"]
+    assert len(name) == 1024 and name.startswith("\u2026") and name.endswith("4" * 200 + "/a.txt")
+
+
 def test_default_out_dir_is_packs_beside_the_first_input(tmp_path):
     docs = tmp_path / "docs"
     docs.mkdir()
