@@ -284,7 +284,10 @@ def _recorded(out: Path | str, record: dict | None, sha: str, settings: dict, mo
     pack records its own text's hash, which only its record ties to the document's (``part``)."""
     if not isinstance(record, dict) or record.get("status") not in _DONE or record.get("source_sha256") != sha:
         return None
-    if record.get("settings") != settings or record.get("model") != model_id:
+    recorded = record.get("settings")
+    if not isinstance(recorded, dict) or record.get("model") != model_id or {
+            **recorded, "method_params": _with_defaults(recorded.get("method"), recorded.get("method_params"))
+    } != settings:
         return None
     header = _matching_header(storage.join(out, record["pack"]), None if part else sha, settings, so)
     if header is None or (header.metadata.get("fingerprint") or {}).get("weights_sha256") != record.get(
@@ -311,11 +314,23 @@ def _recorded_parts(out: Path | str, ctx: Context, records: dict, sha: str, sett
     return found
 
 
+def _with_defaults(method: Any, params: Any) -> Any:
+    """``params`` recorded for ``method`` with the defaults of parameters added since (a pack from an older kvpack
+    records none of them), as ``build_settings`` stores them; as given when the method or a value is unknown."""
+    if not isinstance(method, str) or not isinstance(params, dict):
+        return params
+    try:
+        return json.loads(json.dumps(get_method(method, **params).params()))
+    except (KvpackError, TypeError, ValueError):
+        return params
+
+
 def _header_settings(header: PackHeader) -> dict:
     meta = header.metadata
     quant = ([header.quant_type, header.group_size, header.quant_layout] if header.group_size
              else [C.QUANT_NONE, None, None])
-    return {"method": meta.get("method"), "method_params": meta.get("method_params"), "ratio": meta.get("ratio"),
+    return {"method": meta.get("method"), "ratio": meta.get("ratio"),
+            "method_params": _with_defaults(meta.get("method"), meta.get("method_params")),
             "quant": quant, "zstd_level": header.zstd_level, "checksum": header.checksum}
 
 

@@ -150,7 +150,7 @@ def _method_options(f):
                           "equations (e.g. 0.001); 0 is the paper's plain least squares [default: 0]."),
         click.option("--ridge-to", "ridge_to", type=click.Choice(["zero", "selected"]), default=None,
                      help="am: what --ridge shrinks the fitted values toward: zero, or the kept entries' own values "
-                          "(a large ridge then tends to --values copy) [default: zero]."),
+                          "(the larger the ridge, the closer to --values copy) [default: zero]."),
     ]
     for opt in opts:
         f = opt(f)
@@ -417,7 +417,7 @@ def ls(folder, as_json, storage_option):
     defaults, e.g. am[reference=both]), ratio, quantization, tokens, bytes, model.
 
     Only headers are read (fast); use verify to check every checksum. Exit status 1 if some pack is unreadable
-    (each is listed, and why is printed after the table).
+    (each is listed, and why is printed on stderr).
     """
     rows = list_packs(folder, storage_options=storage.parse_storage_options(storage_option))
     bad = [r for r in rows if r["error"] is not None]
@@ -432,7 +432,7 @@ def ls(folder, as_json, storage_option):
             click.echo(_table(("pack", "source", "method", "ratio", "quant", "tokens", "bytes", "model"), table,
                               right=(3, 5, 6)))
         for r in bad:
-            click.echo(f"unreadable: {printable(r['pack'])}: {printable(r['error'])}")
+            click.echo(f"unreadable: {printable(r['pack'])}: {printable(r['error'])}", err=True)
         click.echo(f"{len(rows)} packs in {printable(str(folder))}, "
                    f"{sum(r['bytes'] for r in rows if r['error'] is None):,} bytes"
                    + (f"; {len(bad)} unreadable" if bad else ""))
@@ -454,7 +454,7 @@ def ls(folder, as_json, storage_option):
               help="Longest answer, in tokens.")
 @click.option("--temperature", type=click.FloatRange(min=0.0, max=1e6), default=0.0, show_default=True,
               help="0: greedy decoding; above 0: sample at this temperature.")
-@click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None,
+@click.option("--seed", type=click.IntRange(-2**63, 2**64 - 1), default=None,
               help="Seed for sampling (with --temperature).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per answer (JSON lines) with tokens, seconds, tokens/s and load time.")

@@ -78,8 +78,9 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
         UnsupportedModelError: the model's architecture is not supported.
     """
     if not isinstance(source_name, str) or not source_name or len(source_name) > C.MAX_SHORT_TEXT:
+        got = f"{len(source_name):,} characters" if isinstance(source_name, str) else type(source_name).__name__
         raise InputError(f"source_name must be a non-empty str of at most {C.MAX_SHORT_TEXT} characters "
-                         f"(recorded in the pack as its source), got {type(source_name).__name__}")
+                         f"(recorded in the pack as its source), got {got}")
     check_text(source_name, "source_name")
     check_text(text, f"{source_name}: the context")
     if not text.strip():

@@ -161,8 +161,8 @@ def _file_parts(pack: Pack, zstd_level: int, checksum: str) -> tuple[bytes, list
     problem = kv_range_problem(pack)
     if problem is not None:  # kvpack.load would refuse the file
         raise InputError(f"cannot write this pack: {problem}, which no loader accepts (attention over them is NaN); "
-                         "the model overflowed while building it: build it again in bfloat16 or float32 "
-                         "(kvpack build --dtype), or check the model's weights")
+                         "a model that overflowed while building it is built again in bfloat16 or float32 "
+                         "(kvpack build --dtype); an edited pack needs its values fixed")
     check_storage_args(zstd_level, checksum)
     try:
         kvpack_json = json.dumps({**pack.metadata, C.SINK_TOKENS_KEY: pack.sink_tokens}, **C.JSON_DUMPS_KWARGS)

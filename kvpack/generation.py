@@ -70,26 +70,28 @@ def answer(model, tokenizer, cache: KvpackCache, question: str, *, max_new_token
     equals the one a freshly loaded cache would give (with sampling: for the same ``seed``).
 
     Args:
-        max_new_tokens: upper bound on generated tokens (stops earlier at the end-of-turn token).
+        max_new_tokens: upper bound on generated tokens (stops earlier at the end-of-turn token, and at the model's
+            last position: ``max_position_embeddings`` minus the context and the question).
         temperature: 0 (default) decodes greedily; above 0 samples from the softmax at this temperature.
         seed: seeds torch's generator before sampling (``None``: not seeded).
 
     Raises:
         InputError: ``max_new_tokens < 1``; a ``temperature`` that is negative or not finite; a ``seed`` that is not
-            an integer in ``[0, 2**64)``; a question that is not text (or holds bytes that are not UTF-8); a
-            ``cache`` that is not a ``KvpackCache``; a model in another dtype than the cache (``kvpack.load``
-            casts to the model's dtype at load: load again after ``model.to(...)``); a context, question and
-            ``max_new_tokens`` that together need more positions than the model has.
+            an integer in ``[-2**63, 2**64)``; a question that is not text (or holds bytes that are not UTF-8); a
+            ``model`` that is not a transformers model, a ``tokenizer`` that is not a tokenizer, a ``cache`` that
+            is not a ``KvpackCache``; a model in another dtype than the cache (``kvpack.load`` casts to the model's
+            dtype at load: load again after ``model.to(...)``); a context and question that leave the model no
+            position for the answer.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be a positive number of tokens, got {max_new_tokens!r}")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
             or temperature < 0:
         raise InputError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
-        raise InputError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64):
+        raise InputError(f"seed must be an integer in [-2**63, 2**64) (torch.manual_seed's range), got {seed!r}")
     ids = question_input_ids(tokenizer, cache, question)
-    _check_model(model, cache, ids.shape[1] + max_new_tokens)
+    max_new_tokens = min(max_new_tokens, _check_model(model, cache, ids.shape[1]))
     cache.rewind()
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -120,9 +122,11 @@ def check_text(text, what: str) -> None:
                          "not UTF-8, e.g. from a terminal in another encoding); pass UTF-8 text") from None
 
 
-def _check_model(model, cache: KvpackCache, positions: int) -> None:
-    """The model can generate from ``cache``: the ``"kvpack"`` attention (switched on if it was switched off), the
-    cache's dtype, and ``positions`` (context, question and new tokens) within its position embeddings."""
+def _check_model(model, cache: KvpackCache, positions: int) -> int:
+    """Check that the model can generate from ``cache`` after a prompt of ``positions`` tokens (context and
+    question): the ``"kvpack"`` attention (switched on if it was switched off), the cache's dtype, and the prompt
+    within its position embeddings. Returns the positions left for new tokens (``>= 1``; unbounded when the model
+    declares no ``max_position_embeddings``)."""
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "generate"):
         raise InputError(f"model must be a transformers causal LM (from kvpack.load_model), got "
                          f"{type(model).__name__}")
@@ -133,9 +137,12 @@ def _check_model(model, cache: KvpackCache, positions: int) -> None:
                          f"runs in {str(dtype).replace('torch.', '')}; load the pack again into the model as it is "
                          "now (kvpack.load casts the entries to the model's dtype)")
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if isinstance(limit, int) and positions > limit:
-        raise InputError(f"the context, the question and max_new_tokens need {positions:,} positions, more than "
-                         f"the model's {limit:,}; shorten the question or lower max_new_tokens")
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return 2**62
+    if positions >= limit:
+        raise InputError(f"the context and the question take {positions:,} positions, and the model has "
+                         f"{limit:,}, leaving none for the answer; shorten the question")
+    return limit - positions
 
 
 def generate(model, tokenizer, cache: KvpackCache, question: str, *, max_new_tokens: int = 64,

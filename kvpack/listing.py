@@ -324,7 +324,7 @@ def json_text(obj: Any, **dumps_kwargs) -> str:
     leaves raw (the C1 controls, DEL, surrogates, line and paragraph separators, bidirectional controls) written as
     ``\\uXXXX``: the same JSON value, safe to print on a terminal, other text still readable. Raises what
     ``json.dumps`` raises."""
-    out = json.dumps(obj, ensure_ascii=False, **dumps_kwargs)
+    out = json.dumps(obj, **{**dumps_kwargs, "ensure_ascii": False})
     if out.isascii():
         return out
     return "".join(f"\\u{ord(c):04x}" if ord(c) >= 0x7f and _acts_on_terminal(c) else c for c in out)

@@ -31,9 +31,7 @@ def cache_from_pack(pack: Pack, model, tokenizer=None, *, device=None, where: st
     Raises ``ModelMismatchError`` naming both sides on any mismatch, ``CorruptFileError`` for KV out of range,
     ``InputError`` for a bad ``dequantize`` or a ``model`` that is not a transformers model.
     """
-    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
-        raise InputError(f"model must be the transformers model the pack was built with (kvpack.load_model), got "
-                         f"{type(model).__name__}")
+    _check_is_model(model)
     check_shapes(pack, model_spec(model), model.dtype, where)
     check_kv_range(pack, where)
     current = _cached_fingerprint(model, tokenizer)  # read only
@@ -116,10 +114,17 @@ def load(path: str | os.PathLike, model, *, device=None, tokenizer=None,
         PackFormatError subclasses: truncated, corrupt, foreign or newer-version files (nothing is half-loaded).
         ModelMismatchError: the file was built for another model, or its shapes do not fit this one (naming both).
         InputError: ``dequantize`` is neither value, or ``"on-the-fly"`` on CUDA without triton (or for a layout
-            the kernel does not take).
+            the kernel does not take); ``model`` is not a transformers model (checked before the file is read).
     """
+    _check_is_model(model)  # before the file is read
     pack = load_pack(path, storage_options=storage_options)
     return cache_from_pack(pack, model, tokenizer, device=device, where=str(path), dequantize=dequantize)
+
+
+def _check_is_model(model) -> None:
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise InputError(f"model must be the transformers model the pack was built with (kvpack.load_model), got "
+                         f"{type(model).__name__}")
 
 
 def _guard_generate(model) -> None:

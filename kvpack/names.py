@@ -15,18 +15,19 @@ so sources may be local files or URLs alike::
   refuse is replaced by ``_``: the characters ``< > : " / \\ | ? *``, control characters, unpaired surrogates (the
   bytes of a file name that is not UTF-8, as Python decodes them), trailing dots and spaces, a leading dot (a pack
   is never a hidden file, which ``kvpack ls`` would skip), and Windows' reserved device names (``CON``, ``NUL``,
-  ``COM1``, ...). A backslash separates folders only in Windows paths; elsewhere it is a character of the name. A component longer than 200 UTF-8 bytes is
+  ``COM1``, ...). Paths here are POSIX (``kvpack.sources`` turns a local Windows path into one first), so a backslash
+  is a character of a name (replaced by ``_``), never a folder separator. A component longer than 200 UTF-8 bytes is
   cut and given an 8-hex-digit hash of the whole name.
 * No two contexts get one pack: names are compared case-insensitively after Unicode NFC normalisation (so packs can
   sit side by side on macOS and Windows); within a clashing group the first context (in input order) keeps the name
-  and the others get ``-2``, ``-3``, ... (skipping names already taken).
+  and the others get ``-2``, ``-3``, ... (skipping names already taken). ``kvpack.sources`` names the contexts
+  that can be built before those that cannot, so a failed one never takes a good one's name.
 * A context too long for the model may be split into parts ``NAME.part-001``, ``NAME.part-002``, ...
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import posixpath
 import re
 import unicodedata
@@ -65,7 +66,7 @@ def input_base(inputs: Sequence[str], is_folder: Sequence[bool]) -> str:
 
     ``inputs`` are POSIX-style paths or URL paths, as given; ``is_folder[i]`` says whether input ``i`` is a folder.
     """
-    paths = [posixpath.normpath(_slashes(p)) for p in inputs]
+    paths = [posixpath.normpath(p) for p in inputs]
     if len(paths) == 1 and is_folder[0]:
         return paths[0]
     parents = [posixpath.dirname(p) for p in paths]
@@ -75,15 +76,10 @@ def input_base(inputs: Sequence[str], is_folder: Sequence[bool]) -> str:
     return posixpath.commonpath(parents) if any(parents) else ""
 
 
-def _slashes(path: str) -> str:
-    """``path`` with Windows' backslash separators as ``/`` (on Windows only: a POSIX name may hold ``\\``)."""
-    return path.replace("\\", "/") if os.sep == "\\" else path
-
-
 def relative_source(base: str, path: str) -> str:
     """``path`` relative to ``base`` as a POSIX path (``a/notes.txt``); both as ``input_base`` takes them."""
-    base = posixpath.normpath(_slashes(base)) if base else "."
-    rel = posixpath.relpath(posixpath.normpath(_slashes(path)), base)
+    base = posixpath.normpath(base) if base else "."
+    rel = posixpath.relpath(posixpath.normpath(path), base)
     return rel if not rel.startswith("../") else posixpath.basename(path)
 
 

@@ -174,8 +174,6 @@ def _resolved(path: Path | str) -> str:
 def _read_text(path: Path | str, storage_options: dict | None = None) -> tuple[str | None, str | None]:
     """``(text, None)``, or ``(None, why it is not text)``."""
     try:
-        if not storage.is_url(path) and path.exists() and not path.is_file():  # a FIFO would block the read forever
-            return None, "not a regular file (a pipe, socket or device); pass regular files"
         data = storage.read_bytes(path, storage_options) if storage.is_url(path) else path.read_bytes()
     except InputError as exc:
         return None, str(exc)
@@ -191,6 +189,9 @@ def _read_text(path: Path | str, storage_options: dict | None = None) -> tuple[s
 
 
 def _read_file(path: Path | str, source: str, storage_options: dict | None = None) -> list[Context]:
+    if not storage.is_url(path) and path.exists() and not path.is_file():  # a FIFO would block the read forever
+        return [Context("", None, source, path, error="not a regular file (a pipe, socket or device); pass regular "
+                                                      "files")]
     if storage.name_of(path).lower().endswith(".parquet"):
         rows, error = _parquet_rows(path, storage_options)
         if error is None and not rows:

@@ -173,8 +173,10 @@ def test_a_walk_skips_a_builds_manifest_and_names_links_after_themselves(tmp_pat
     os.symlink("gone.txt", docs / "broken.txt")
     os.symlink(docs, docs / "loop")  # a folder link: never followed
     os.mkfifo(docs / "pipe.txt")  # reading it would block forever
+    os.mkfifo(docs / "pipe.parquet")
     ctxs = {c.source: c for c in discover_contexts([docs])}
-    assert set(ctxs) == {"a.txt", "alias.txt", "broken.txt", "pipe.txt"}
+    assert set(ctxs) == {"a.txt", "alias.txt", "broken.txt", "pipe.txt", "pipe.parquet"}
+    assert ctxs["pipe.parquet"].error.startswith("not a regular file")
     assert ctxs["alias.txt"].name == "alias" and ctxs["alias.txt"].text == "linked"
     assert ctxs["broken.txt"].name == "broken" and ctxs["broken.txt"].error.startswith("cannot read the file")
     assert ctxs["pipe.txt"].error.startswith("not a regular file")
@@ -199,6 +201,27 @@ def test_a_source_path_longer_than_the_header_allows_is_recorded_by_its_end(tmp_
     assert res.status == "built", res.error
     name = load_pack(res.path).metadata["source"]["name"]
     assert len(name) == 1024 and name.startswith("\u2026") and name.endswith("4" * 200 + "/a.txt")
+
+
+def test_a_pack_from_before_a_new_method_parameter_is_still_up_to_date(tmp_path):
+    """A pack records its method's parameters; one built before a parameter existed (here AM's ``ridge_to``) records
+    fewer, and is up to date when the new one is at its default."""
+    import kvpack
+
+    (tmp_path / "a.txt").write_text(TEXT[:300], encoding="utf-8")
+    model, tok = tiny_model("llama")
+    out = tmp_path / "out"
+    ctxs = discover_contexts([tmp_path / "a.txt"])
+    (first,) = list(build(ctxs, model, tok, out_dir=out, method="am", chunk_size=64))
+    assert first.status == "built"
+    pack = load_pack(first.path)
+    del pack.metadata["method_params"]["ridge_to"]  # as the tenth session's kvpack wrote it
+    kvpack.save(pack, first.path, zstd_level=3)
+    (again,) = list(build(ctxs, model, tok, out_dir=out, method="am", chunk_size=64))
+    assert again.status == "up_to_date"
+    (other,) = list(build(ctxs, model, tok, out_dir=out, method="am", chunk_size=64, ridge=0.1,
+                          ridge_to="selected"))
+    assert other.status == "replaced"  # another value of the new parameter is another pack
 
 
 def test_default_out_dir_is_packs_beside_the_first_input(tmp_path):

@@ -179,7 +179,7 @@ def test_ls_info_and_verify_take_folders_and_several_files(llama, tmp_path):
                      re.M)
     assert re.search(r"^sub/b\.kvpack\s+sub/b\.md\s+kvzip", res.stdout, re.M)
     assert re.search(r"^junk\.kvpack\s+unreadable \(below\)\s*$", res.stdout, re.M)
-    assert re.search(r"^unreadable: junk\.kvpack: .*not a kvpack file", res.stdout, re.M)
+    assert re.search(r"^unreadable: junk\.kvpack: .*not a kvpack file", res.stderr, re.M)
     good = (out / "a.kvpack").stat().st_size + (out / "sub" / "b.kvpack").stat().st_size
     assert res.stdout.rstrip().endswith(f"3 packs in {out}, {good:,} bytes; 1 unreadable")
     assert max(map(len, res.stdout.splitlines()[:4])) < 200  # the error is not a table column

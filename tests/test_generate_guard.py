@@ -74,9 +74,9 @@ def test_misused_api_arguments_are_input_errors_naming_the_fix():
         (dict(cache=None), "cache must be a KvpackCache"),
         (dict(temperature=float("nan")), "finite number"),
         (dict(temperature=float("inf")), "finite number"),
-        (dict(seed=2**70), r"seed must be an integer in \[0, 2\*\*64\)"),
+        (dict(seed=2**70), r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"),
         (dict(seed="1"), "seed must be"),
-        (dict(max_new_tokens=10**6), "positions, more than the model's"),
+        (dict(question="word " * 5000), "leaving none for the answer"),
     ]
     for override, message in cases:
         kw = dict(tokenizer=tok, cache=cache, question=q)
@@ -84,6 +84,7 @@ def test_misused_api_arguments_are_input_errors_naming_the_fix():
         extra = {k: kw.pop(k) for k in ("temperature", "seed", "max_new_tokens") if k in kw}
         with pytest.raises(InputError, match=message):
             kvpack.generate(model, kw["tokenizer"], kw["cache"], kw["question"], **extra)
+    assert kvpack.generate(model, tok, cache, q, max_new_tokens=4, seed=-1)  # torch.manual_seed's range
     with pytest.raises(InputError, match="source_name must be a non-empty str"):
         kvpack.compress(model, tok, TEXT, source_name=None)
     with pytest.raises(InputError, match="lone surrogate"):
@@ -98,7 +99,7 @@ def test_misused_api_arguments_are_input_errors_naming_the_fix():
 
 
 def test_a_model_switched_or_cast_after_the_load_is_named_not_a_shape_error():
-    model, tok = tiny_model("llama")
+    model, tok = tiny_model.__wrapped__("llama")  # its own model: it is switched and cast below
     cache = cache_from_pack(kvpack.compress(model, tok, TEXT, ratio=0.5, chunk_size=32), model, tok)
     q = "What is the secret code of Alice?"
     want = kvpack.generate(model, tok, cache, q, max_new_tokens=6)
