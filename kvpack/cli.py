@@ -377,18 +377,31 @@ def verify(files, model_name, as_json, device, dtype, storage_option):
     """Check .kvpack files' integrity (and, with --model, that they fit the model); exit status 1 if any fails.
     FILE may be a URL."""
     so = storage.parse_storage_options(storage_option)
-    reports = [verify_report(f, storage_options=so) for f in files]
     model = tokenizer = None
-    if model_name is not None and any(r["ok"] for r in reports):
-        model, tokenizer = _load(model_name, device, dtype)
-    for r in reports:
-        if r["ok"] and model is not None:
+    reports = []
+    for f in files:
+        if model_name is None:
+            r = verify_report(f, storage_options=so)
+        else:  # one read of the file: load_pack checks everything verify checks, and the KV range needs the tensors
+            r = {"file": str(f), "ok": False, "error": None, "format_version": None, "bytes": None, "checksum": None}
             try:
-                check_compatible(read_header(r["file"], storage_options=so), model, tokenizer, path=r["file"])
-                check_kv_range(load_pack(r["file"], storage_options=so), r["file"])  # what kvpack.load refuses too
-                r["fits_model"] = model_name
+                pack = load_pack(f, storage_options=so)
+                header = read_header(f, storage_options=so)  # the header alone: a small read
+                r.update(ok=True, format_version=header.format_version, bytes=header.file_bytes,
+                         checksum=C.CHECKSUM_NAMES.get(header.checksum, header.checksum))
             except KvpackError as exc:
-                r.update(ok=False, error=str(exc))
+                r.update(error=str(exc))
+            if r["ok"]:
+                if model is None:  # loaded at the first intact file; a model that cannot load is the command's error
+                    model, tokenizer = _load(model_name, device, dtype)
+                try:
+                    check_compatible(header, model, tokenizer, path=str(f))
+                    check_kv_range(pack, str(f))  # what kvpack.load refuses too
+                    r["fits_model"] = model_name
+                except KvpackError as exc:
+                    r.update(ok=False, error=str(exc))
+                del pack
+        reports.append(r)
         if as_json:
             continue
         if r["ok"]:
