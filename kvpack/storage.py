@@ -67,8 +67,15 @@ def is_url(path: Any) -> bool:
 
 
 def _local(path: str | os.PathLike) -> str:
+    """A local path: ``file://`` and ``local://`` URLs (any case, ``file://localhost/...`` too) without their
+    prefix; anything else as given."""
     path = os.fspath(path)
-    return path[len("file://"):] if isinstance(path, str) and path.startswith("file://") else path
+    if not isinstance(path, str) or "://" not in path:
+        return path
+    protocol, rest = path.split("://", 1)
+    if protocol.lower() not in ("file", "local"):
+        return path
+    return rest[len("localhost"):] if rest.lower().startswith("localhost/") else rest
 
 
 def as_path(path: str | os.PathLike) -> str | Path:
@@ -117,6 +124,15 @@ def _fs(url: str, storage_options: dict | None):
                          "--storage-option KEY=VALUE pairs") from None
 
 
+def _backend_error(path: str, doing: str, exc: BaseException) -> InputError:
+    """An ``InputError`` for an exception of an fsspec backend that is not an ``OSError`` (botocore's
+    ``NoCredentialsError`` and ``EndpointConnectionError``, a ``TypeError`` for an option a lazily built session
+    refuses, ...): each backend has its own types, and all of them are a problem of the URL, the credentials or
+    the options, never of kvpack's input."""
+    return InputError(f"cannot {doing} {path}: {type(exc).__name__}: {_short(exc)}; check the URL, the credentials "
+                      "and the --storage-option values")
+
+
 def _short(exc: BaseException) -> str:
     return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
 
@@ -160,6 +176,8 @@ def open_read(path: str | os.PathLike, storage_options: dict | None = None) -> B
     except (OSError, ValueError, NotImplementedError) as exc:  # fsspec backends raise OSError subclasses
         raise InputError(f"cannot read {path}: {_os_problem(exc)}; check the URL, the credentials and the "
                          "--storage-option values") from None
+    except Exception as exc:  # noqa: BLE001 - the backend's own error types (credentials, connection, options)
+        raise _backend_error(path, "read", exc) from None
     try:  # readers name the file in their messages by ``name``; fsspec's objects have none
         f.name = path
     except AttributeError:
@@ -174,6 +192,10 @@ def read_bytes(path: str | os.PathLike, storage_options: dict | None = None) -> 
             return f.read()
         except OSError as exc:
             raise InputError(f"cannot read {path}: {_os_problem(exc)}; check the path") from None
+        except Exception as exc:  # noqa: BLE001 - a remote backend's own error types
+            if not is_url(path):
+                raise
+            raise _backend_error(path, "read", exc) from None
 
 
 def file_size(path: str | os.PathLike, storage_options: dict | None = None) -> int:
@@ -188,6 +210,8 @@ def file_size(path: str | os.PathLike, storage_options: dict | None = None) -> i
         return int(fs.size(inner))
     except (OSError, ValueError) as exc:
         raise InputError(f"cannot read {path}: {_os_problem(exc)}; check the URL") from None
+    except Exception as exc:  # noqa: BLE001 - the backend's own error types
+        raise _backend_error(path, "read", exc) from None
 
 
 def is_file(path: str | os.PathLike, storage_options: dict | None = None) -> bool:
@@ -199,6 +223,8 @@ def is_file(path: str | os.PathLike, storage_options: dict | None = None) -> boo
         return bool(fs.isfile(inner))
     except (OSError, ValueError):
         return False
+    except Exception as exc:  # noqa: BLE001 - credentials, connection, options: not "no such file"
+        raise _backend_error(path, "reach", exc) from None
 
 
 def is_dir(path: str | os.PathLike, storage_options: dict | None = None) -> bool:
@@ -210,6 +236,8 @@ def is_dir(path: str | os.PathLike, storage_options: dict | None = None) -> bool
         return bool(fs.isdir(inner))
     except (OSError, ValueError):
         return False
+    except Exception as exc:  # noqa: BLE001 - credentials, connection, options: not "no such folder"
+        raise _backend_error(path, "reach", exc) from None
 
 
 def walk_files(folder: str | os.PathLike, suffixes: Iterable[str], storage_options: dict | None = None
@@ -245,6 +273,8 @@ def walk_files(folder: str | os.PathLike, suffixes: Iterable[str], storage_optio
             listed = fs.find(inner, detail=True)
         except (OSError, ValueError) as exc:
             raise InputError(f"cannot list {folder}: {_os_problem(exc)}; check the URL") from None
+        except Exception as exc:  # noqa: BLE001 - the backend's own error types
+            raise _backend_error(folder, "list", exc) from None
         base = inner.rstrip("/")
         for key, entry in listed.items():
             if entry.get("type", "file") != "file" or not key.startswith(base + "/"):
@@ -288,9 +318,9 @@ def makedirs(path: str | os.PathLike, storage_options: dict | None = None) -> No
             raise InputError(f"the output path {local} is not a folder; pass another --out")
         return
     method = write_method(path, storage_options)
-    fs, inner = _fs(path, storage_options)
-    if fs.isfile(inner):
+    if is_file(path, storage_options):
         raise InputError(f"the output path {path} is a file, not a folder; pass another --out")
+    fs, inner = _fs(path, storage_options)
     if method == "put":
         return  # object stores have no folders: keys are written under the prefix directly
     try:
@@ -298,6 +328,8 @@ def makedirs(path: str | os.PathLike, storage_options: dict | None = None) -> No
     except (OSError, ValueError, NotImplementedError) as exc:
         raise InputError(f"cannot create the output folder {path}: {_os_problem(exc)}; pass another --out"
                          ) from None
+    except Exception as exc:  # noqa: BLE001 - the backend's own error types
+        raise _backend_error(path, "create the output folder", exc) from None
 
 
 def _temp_name(target: str) -> str:
@@ -331,12 +363,14 @@ def write_atomic(path: str | os.PathLike, data: bytes | memoryview | list[bytes]
         else:
             fs.pipe_file(tmp, bytes(data))
             fs.mv(tmp, inner)
-    except (OSError, ValueError, NotImplementedError) as exc:
+    except Exception as exc:  # noqa: BLE001 - OSError subclasses, or the backend's own types
         if method == "move":
             try:
                 fs.rm_file(tmp)
-            except (OSError, ValueError, NotImplementedError):
+            except Exception:  # noqa: BLE001 - best effort
                 pass
+        if not isinstance(exc, (OSError, ValueError, NotImplementedError)):
+            raise _backend_error(path, "write", exc) from None
         raise InputError(f"cannot write {path}: {_os_problem(exc)}; check the URL, the permissions and the "
                          "--storage-option values") from None
     return len(data)
@@ -365,7 +399,7 @@ def parse_storage_options(pairs: Iterable[str]) -> dict[str, Any]:
             raise InputError(f"--storage-option {pair!r}: expected KEY=VALUE, e.g. endpoint_url=http://host:9000")
         try:
             value = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: JSON nested too deeply to be an option
             value = raw
         *outer, last = key.split(".")
         node = options

@@ -259,3 +259,19 @@ def test_the_head_file_bytes_are_part_of_the_up_to_date_check(tmp_path):
     assert build(ctxs, model, tok, **kw)[0].skipped
     _file_with_scores(tmp_path, "llama", torch.tensor([[0.9, 0.2], [0.8, 0.1]]))  # same path, other scores
     assert not build(ctxs, model, tok, **kw)[0].skipped
+
+
+def test_a_head_score_file_given_as_a_url_compresses_like_the_local_file(tmp_path):
+    model, tok = tiny_model("llama")
+    spec = model_spec(model)
+    scores = torch.arange(len(spec.compressed_layers) * spec.num_kv_heads, dtype=torch.float32).reshape(
+        len(spec.compressed_layers), spec.num_kv_heads)
+    path = _file_with_scores(tmp_path, "llama", scores)
+    url = "memory://heads-url-test/h.safetensors"
+    import fsspec
+
+    fsspec.filesystem("memory").pipe_file("/heads-url-test/h.safetensors", open(path, "rb").read())
+    local = kvpack.compress(model, tok, TEXT, method="kvzip-head", heads=path, ratio=0.5)
+    remote = kvpack.compress(model, tok, TEXT, method="kvzip-head", heads=url, ratio=0.5)
+    assert [l.head_lengths.tolist() for l in local.layers] == [l.head_lengths.tolist() for l in remote.layers]
+    assert local.metadata["method_params"]["heads_sha256"] == remote.metadata["method_params"]["heads_sha256"]

@@ -191,3 +191,46 @@ def test_s3_load_into_a_cache_generates_like_the_local_file(pack, s3, tmp_path):
 def test_s3_bad_credentials_and_missing_bucket_are_input_errors(s3):
     with pytest.raises(InputError, match="cannot read s3://nobucket/a.kvpack"):
         read_header("s3://nobucket/a.kvpack", storage_options=s3.options)
+
+
+class _Unreachable(Exception):
+    """What a backend raises that is not an OSError (as botocore's NoCredentialsError)."""
+
+
+class _FailingFS(fsspec.AbstractFileSystem):
+    """A backend whose every call fails with its own exception type, as s3fs without credentials does."""
+
+    protocol = "kvpackfail"
+
+    def _fail(self, *args, **kwargs):
+        raise _Unreachable("Unable to locate credentials")
+
+    isdir = isfile = find = size = pipe_file = _fail
+
+    def _open(self, *args, **kwargs):
+        self._fail()
+
+
+def test_a_backends_own_errors_are_input_errors_not_tracebacks(tmp_path):
+    fsspec.register_implementation("kvpackfail", _FailingFS, clobber=True)
+    url = "kvpackfail://bucket/packs"
+    for call in (lambda: storage.is_dir(url), lambda: storage.is_file(url + "/a.kvpack"),
+                 lambda: storage.read_bytes(url + "/a.kvpack"), lambda: storage.file_size(url + "/a.kvpack"),
+                 lambda: storage.walk_files(url, (".txt",)), lambda: storage.write_atomic(url + "/a.kvpack", b"x")):
+        with pytest.raises(InputError, match="_Unreachable: Unable to locate credentials; check the URL, the "
+                                             "credentials"):
+            call()
+    from click.testing import CliRunner
+
+    from kvpack.cli import cli
+
+    result = CliRunner().invoke(cli, ["ls", url])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "error: cannot reach kvpackfail://bucket/packs: _Unreachable" in result.stderr
+
+
+def test_local_file_urls_in_any_spelling_are_local_paths():
+    for url in ("file:///tmp/x/a.txt", "file://localhost/tmp/x/a.txt", "FILE:///tmp/x/a.txt", "local:///tmp/x/a.txt"):
+        assert storage.as_path(url) == Path("/tmp/x/a.txt"), url
+    deep = "[" * 50_000 + "]" * 50_000  # nested too deeply for json: kept as the string it is
+    assert storage.parse_storage_options([f"k={deep}"]) == {"k": deep}

@@ -43,6 +43,7 @@ class KVzipHead(Method):
     _scores: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        from .. import storage
         from ..heads import load_head_scores
 
         super().__post_init__()
@@ -55,7 +56,7 @@ class KVzipHead(Method):
         self.heads = str(self.heads)
         check_int(self.name, "window", self.window, 0)
         self._scores = load_head_scores(self.heads)
-        self._sha256 = hashlib.sha256(Path(self.heads).read_bytes()).hexdigest()
+        self._sha256 = hashlib.sha256(storage.read_bytes(self.heads)).hexdigest()  # a path or a URL
 
     @classmethod
     def parameter_names(cls) -> tuple[str, ...]:
