@@ -27,7 +27,14 @@ from .errors import InputError
 from .pack import LayerEntries, Pack
 from .quant import dequantize_bodies, head_row_pieces
 
-__all__ = ["PackedLayer", "KvpackCache"]
+__all__ = ["PackedLayer", "KvpackCache", "require_model"]
+
+
+def require_model(model) -> None:
+    """Raise ``InputError`` unless ``model`` is a transformers model (a ``torch.nn.Module`` with a ``config``)."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise InputError(f"model must be the transformers model the pack was built with (kvpack.load_model), got "
+                         f"{type(model).__name__}")
 
 
 class PackedLayer(CacheLayerMixin):
@@ -258,16 +265,7 @@ class KvpackCache(Cache):
                 the message says what to do.
         """
         if model is not None:
-            impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-            if impl != "kvpack":
-                raise InputError(f"the model now uses the {impl!r} attention, which cannot read a KvpackCache; "
-                                 "call kvpack.attention.use_kvpack_attention(model) again (kvpack.load and "
-                                 "kvpack.generate switch it to 'kvpack')")
-            dtype = getattr(model, "dtype", None)
-            if self.layers and dtype is not None and dtype != self.layers[0].dtype:
-                raise InputError(f"the cache holds {str(self.layers[0].dtype).replace('torch.', '')} entries but the "
-                                 f"model now runs in {str(dtype).replace('torch.', '')}; load the pack again into "
-                                 "the model as it is now (kvpack.load casts the entries to the model's dtype)")
+            self.check_model(model)
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise InputError(f"a loaded KvpackCache serves one sequence, got input_ids of shape {list(input_ids.shape)}"
                              "; call generate once per question (batch size 1), or load one cache per sequence")
@@ -278,6 +276,21 @@ class KvpackCache(Cache):
                              "torch.cat([cache.context_ids, question_ids], dim=-1), which "
                              "kvpack.generation.question_input_ids(tokenizer, cache, question) builds")
         self.rewind()
+
+    def check_model(self, model) -> None:
+        """Raise ``InputError`` unless ``model`` can attend over this cache: a transformers model on the ``"kvpack"``
+        attention, in the cache's dtype (``kvpack.load`` casts the entries to the model's dtype at load)."""
+        require_model(model)
+        impl = getattr(model.config, "_attn_implementation", None)
+        if impl != "kvpack":
+            raise InputError(f"the model now uses the {impl!r} attention, which cannot read a KvpackCache; "
+                             "call kvpack.attention.use_kvpack_attention(model) again (kvpack.load and "
+                             "kvpack.generate switch it to 'kvpack')")
+        dtype = getattr(model, "dtype", None)
+        if self.layers and dtype is not None and dtype != self.layers[0].dtype:
+            raise InputError(f"the cache holds {str(self.layers[0].dtype).replace('torch.', '')} entries but the "
+                             f"model now runs in {str(dtype).replace('torch.', '')}; load the pack again into "
+                             "the model as it is now (kvpack.load casts the entries to the model's dtype)")
 
     def kept_entries(self) -> torch.Tensor:
         """``[layers, kv_heads]`` int64 kept entries per head."""

@@ -26,7 +26,7 @@ from .build import build_settings, check_compatible, default_out_dir, discover_c
 from .build import summary as build_summary
 from .compress import DEFAULT_CHUNK_SIZE, DEFAULT_RATIO
 from .errors import InputError, KvpackError
-from .fileformat import load_pack, read_header
+from .fileformat import load_pack, load_pack_and_header
 from .generation import answer
 from .listing import describe_pack, info_text, list_packs, method_label, verify_report
 from .listing import json_text, printable, table as _table
@@ -385,8 +385,7 @@ def verify(files, model_name, as_json, device, dtype, storage_option):
         else:  # one read of the file: load_pack checks everything verify checks, and the KV range needs the tensors
             r = {"file": str(f), "ok": False, "error": None, "format_version": None, "bytes": None, "checksum": None}
             try:
-                pack = load_pack(f, storage_options=so)
-                header = read_header(f, storage_options=so)  # the header alone: a small read
+                header, pack = load_pack_and_header(f, storage_options=so)
                 r.update(ok=True, format_version=header.format_version, bytes=header.file_bytes,
                          checksum=C.CHECKSUM_NAMES.get(header.checksum, header.checksum))
             except KvpackError as exc:

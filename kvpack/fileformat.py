@@ -38,7 +38,7 @@ from .source import REBUILD, Source, SourceLike
 from .validate import kv_range_problem, metadata_problem, pack_problem
 
 __all__ = ["TensorCodec", "TensorInfo", "PackHeader", "pack_to_bytes", "check_storage_args", "save", "load_pack",
-           "read_header", "verify"]
+           "load_pack_and_header", "read_header", "verify"]
 
 #: Tensors whose values the reader checks (so ``verify`` keeps them); the others are only checksummed and decoded.
 _CHECKED = (C.TOKEN_IDS, C.HEAD_LENGTHS, C.POSITIONS, C.KEY_BITS, C.QUANT_GRID, C.ATTN_BIAS)
@@ -318,8 +318,14 @@ def load_pack(source: SourceLike, *, storage_options: dict | None = None) -> Pac
         CorruptFileError: malformed or inconsistent header, index, layout, metadata, zstd frame or tensor contents.
         ChecksumMismatchError: the header or a tensor does not match its checksum.
     """
+    return load_pack_and_header(source, storage_options=storage_options)[1]
+
+
+def load_pack_and_header(source: SourceLike, *, storage_options: dict | None = None) -> tuple[PackHeader, Pack]:
+    """``(read_header(source), load_pack(source))`` from one read of the file (what ``verify`` checks, and the
+    tensors). Arguments, returned tensors and errors as ``load_pack``'s."""
     with _opened(source, storage_options, whole=True) as opened:
-        return _read(opened, keep_all=True)[1]
+        return _read(opened, keep_all=True)
 
 
 def _header(box: Container, name: str) -> PackHeader:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import use_kvpack_attention
-from .cache import KvpackCache
+from .cache import KvpackCache, require_model
 from .errors import InputError
 from .layout import ChatLayout
 
@@ -127,16 +127,10 @@ def _check_model(model, cache: KvpackCache, positions: int) -> int:
     question): the ``"kvpack"`` attention (switched on if it was switched off), the cache's dtype, and the prompt
     within its position embeddings. Returns the positions left for new tokens (``>= 1``; unbounded when the model
     declares no ``max_position_embeddings``)."""
-    if not isinstance(model, torch.nn.Module) or not hasattr(model, "generate"):
-        raise InputError(f"model must be a transformers causal LM (from kvpack.load_model), got "
-                         f"{type(model).__name__}")
+    require_model(model)
     use_kvpack_attention(model)
-    dtype = getattr(model, "dtype", None)
-    if cache.layers and dtype is not None and cache.layers[0].dtype != dtype:
-        raise InputError(f"the cache holds {str(cache.layers[0].dtype).replace('torch.', '')} entries but the model "
-                         f"runs in {str(dtype).replace('torch.', '')}; load the pack again into the model as it is "
-                         "now (kvpack.load casts the entries to the model's dtype)")
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    cache.check_model(model)
+    limit = getattr(model.config, "max_position_embeddings", None)
     if not isinstance(limit, int) or isinstance(limit, bool):
         return 2**62
     if positions >= limit:

@@ -17,7 +17,7 @@ from typing import Any
 from . import constants as C
 from .errors import InputError, KvpackError
 from . import storage
-from .fileformat import PackHeader, load_pack, read_header, verify
+from .fileformat import PackHeader, load_pack_and_header, read_header, verify
 from .manifest import read_manifest
 
 __all__ = ["describe_pack", "list_packs", "verify_report", "info_text", "table", "pairs", "printable", "json_text",
@@ -137,8 +137,7 @@ def info_text(file: str | os.PathLike, *, storage_options: dict | None = None) -
     """The text ``kvpack info`` prints for ``file``: header facts, entries kept per layer, quantization errors,
     bytes by section. Raises as ``kvpack.fileformat.load_pack`` (the whole file is validated)."""
     out = []
-    pack = load_pack(file, storage_options=storage_options)  # validates the whole file
-    header = read_header(file, storage_options=storage_options)
+    header, pack = load_pack_and_header(file, storage_options=storage_options)  # validates the whole file
     meta = header.metadata
     fp = meta.get("fingerprint") or {}
     stats = meta.get("stats") or {}

@@ -8,10 +8,10 @@ import types
 import torch
 
 from .attention import use_kvpack_attention
-from .cache import KvpackCache
+from .cache import KvpackCache, require_model
 from .fileformat import load_pack
 from .fingerprint import _cached_fingerprint, check_fingerprint
-from .errors import CorruptFileError, InputError, ModelMismatchError
+from .errors import CorruptFileError, ModelMismatchError
 from .model import ModelSpec, model_spec
 from .pack import Pack
 from .source import REBUILD
@@ -31,7 +31,7 @@ def cache_from_pack(pack: Pack, model, tokenizer=None, *, device=None, where: st
     Raises ``ModelMismatchError`` naming both sides on any mismatch, ``CorruptFileError`` for KV out of range,
     ``InputError`` for a bad ``dequantize`` or a ``model`` that is not a transformers model.
     """
-    _check_is_model(model)
+    require_model(model)
     check_shapes(pack, model_spec(model), model.dtype, where)
     check_kv_range(pack, where)
     current = _cached_fingerprint(model, tokenizer)  # read only
@@ -116,15 +116,9 @@ def load(path: str | os.PathLike, model, *, device=None, tokenizer=None,
         InputError: ``dequantize`` is neither value, or ``"on-the-fly"`` on CUDA without triton (or for a layout
             the kernel does not take); ``model`` is not a transformers model (checked before the file is read).
     """
-    _check_is_model(model)  # before the file is read
+    require_model(model)  # before the file is read
     pack = load_pack(path, storage_options=storage_options)
     return cache_from_pack(pack, model, tokenizer, device=device, where=str(path), dequantize=dequantize)
-
-
-def _check_is_model(model) -> None:
-    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
-        raise InputError(f"model must be the transformers model the pack was built with (kvpack.load_model), got "
-                         f"{type(model).__name__}")
 
 
 def _guard_generate(model) -> None:

@@ -19,7 +19,6 @@ __all__ = ["pack_problem", "kv_range_problem", "metadata_problem", "LAYER_KINDS"
 
 #: Values of the ``layer_kinds`` metadata.
 LAYER_KINDS = ("compressed", "sliding_intact")
-_MAX_SHORT = C.MAX_SHORT_TEXT
 
 
 def kv_range_problem(pack: Pack) -> str | None:
@@ -174,7 +173,7 @@ _WHAT = {
 
 
 def _short_str(x: Any) -> bool:
-    return type(x) is str and len(x) <= _MAX_SHORT
+    return type(x) is str and len(x) <= C.MAX_SHORT_TEXT
 
 
 def _fingerprint_ok(x: Any) -> bool:
