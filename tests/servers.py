@@ -49,10 +49,10 @@ class HttpFiles:
                 data = owner.files.get(self.path)
                 rng = self.headers.get("Range")
                 if data is None:
+                    owner.traffic.add(self.command, self.path, rng, 0)  # before answering: the client may be quicker
                     self.send_response(404)
                     self.send_header("Content-Length", "0")
                     self.end_headers()
-                    owner.traffic.add(self.command, self.path, rng, 0)
                     return
                 start, end = 0, len(data)
                 m = re.fullmatch(r"bytes=(\d+)-(\d*)", rng or "")
@@ -67,8 +67,9 @@ class HttpFiles:
                 self.send_header("Content-Length", str(end - start))
                 self.end_headers()
                 chunk = data[start:end] if body else b""
-                self.wfile.write(chunk)
+                # counted before the body is sent: once the client has it, the count must already include it
                 owner.traffic.add(self.command, self.path, rng, len(chunk))
+                self.wfile.write(chunk)
 
             def do_GET(self):
                 self._answer(True)
