@@ -11,3 +11,18 @@ if "TRITON_INTERPRET" not in os.environ:
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """Each test starts with the thread count the session had: the CLI's and the benches' ``--threads N`` set
+    torch's process-wide count, which would otherwise hold for every later test."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

@@ -8,7 +8,7 @@ import kvpack
 from kvpack.generation import question_input_ids
 from kvpack.loading import cache_from_pack
 
-from .tiny import TEXT, tiny_model
+from .tiny import TEXT, attention_implementation, tiny_model
 
 
 def _pack(ratio):
@@ -58,7 +58,7 @@ def test_ratio_one_generation_equals_full_prefill_generation():
     ids = question_input_ids(tok, cache, q)
     ours = model.generate(ids, past_key_values=cache, max_new_tokens=16, do_sample=False,
                           eos_token_id=None, pad_token_id=tok.pad_token_id)
-    model.set_attn_implementation("sdpa")
-    full = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None,
-                          pad_token_id=tok.pad_token_id)
+    with attention_implementation(model, "sdpa"):
+        full = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None,
+                              pad_token_id=tok.pad_token_id)
     assert torch.equal(ours, full)

@@ -20,7 +20,7 @@ from kvpack.model import model_spec
 from kvpack.prefill import prefill
 
 from .reference import masked_reference_logits
-from .tiny import ARCHITECTURES, TEXT, required_options, tiny_heads_file, tiny_model
+from .tiny import ARCHITECTURES, TEXT, attention_implementation, required_options, tiny_heads_file, tiny_model
 
 RATIO = 0.3
 #: Harder settings per method, run on one architecture (every method also runs with its defaults everywhere).
@@ -256,11 +256,8 @@ def _recorded_prefill(name, arch="qwen3", chunk_size=17, **options):
                    recorder=method.recorder(spec, len(ids), "cpu"),
                    observed_ids=method.observed_ids(tok, layout))
     observed = method.observed_ids(tok, layout)
-    model.set_attn_implementation("eager")
-    try:
+    with attention_implementation(model, "eager"):
         attn = model(input_ids=torch.tensor([ids + observed]), output_attentions=True).attentions
-    finally:
-        model.set_attn_implementation("sdpa")
     return model, tok, method, full, attn
 
 

@@ -12,7 +12,7 @@ from kvpack.prefill import prefill
 from kvpack.stats import (AttentionRecorder, _column_sums_explicit, attention_with_column_sums, column_sums,
                           one_pass_applies, visible_mask, window_sums)
 
-from .tiny import TEXT, tiny_model
+from .tiny import TEXT, attention_implementation, tiny_model
 
 
 def _brute(query, key, value, scaling, window=None):
@@ -108,11 +108,8 @@ def test_recorded_prefill_equals_brute_force_over_the_whole_sequence(one_pass, m
     for a, b in zip(got.keys + got.values, plain.keys + plain.values):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
-    model.set_attn_implementation("eager")
-    try:
+    with attention_implementation(model, "eager"):
         out = model(input_ids=torch.tensor([ids]), output_attentions=True)
-    finally:
-        model.set_attn_implementation("sdpa")
     for i, attn in enumerate(out.attentions):  # [1, heads, n, n]
         torch.testing.assert_close(rec.column_sums[i], attn[0].sum(1), atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(rec.window_sums[i], attn[0, :, n - 5 :].sum(1), atol=1e-5, rtol=1e-4)
@@ -128,11 +125,8 @@ def test_observed_question_is_recorded_but_not_cached():
     rec = AttentionRecorder(spec, n, window_start=n)
     got = prefill(model, ids, 3, layout, spec, chunk_size=16, recorder=rec, observed_ids=question)
     assert all(k.shape[1] == n for k in got.keys)
-    model.set_attn_implementation("eager")
-    try:
+    with attention_implementation(model, "eager"):
         attn = model(input_ids=torch.tensor([ids + question]), output_attentions=True).attentions
-    finally:
-        model.set_attn_implementation("sdpa")
     for i, a in enumerate(attn):
         torch.testing.assert_close(rec.window_sums[i], a[0, :, n:, :n].sum(1), atol=1e-5, rtol=1e-4)
 

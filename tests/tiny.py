@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -108,3 +109,15 @@ def tiny_heads_file(arch: str) -> str:
 def required_options(method: str, arch: str) -> dict:
     """Options a method cannot run without on ``tiny_model(arch)`` (kvzip-head: its head-score file)."""
     return {"heads": tiny_heads_file(arch)} if method == "kvzip-head" else {}
+
+
+@contextlib.contextmanager
+def attention_implementation(model, name: str):
+    """Run the block with ``model`` on attention ``name`` (e.g. ``"eager"`` for ``output_attentions``), then put
+    back the implementation it had: the tiny models are cached and shared by every test."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(before)
