@@ -26,7 +26,7 @@ from .build import build_settings, check_compatible, default_out_dir, discover_c
 from .build import summary as build_summary
 from .compress import DEFAULT_CHUNK_SIZE, DEFAULT_RATIO
 from .errors import InputError, KvpackError
-from .fileformat import load_pack, load_pack_and_header
+from .fileformat import load_pack
 from .generation import answer
 from .listing import describe_pack, info_text, list_packs, method_label, verify_report
 from .listing import json_text, printable, table as _table
@@ -380,26 +380,20 @@ def verify(files, model_name, as_json, device, dtype, storage_option):
     model = tokenizer = None
     reports = []
     for f in files:
-        if model_name is None:
-            r = verify_report(f, storage_options=so)
-        else:  # one read of the file: load_pack checks everything verify checks, and the KV range needs the tensors
-            r = {"file": str(f), "ok": False, "error": None, "format_version": None, "bytes": None, "checksum": None}
+        # with --model, one read of the file: load_pack checks everything verify checks, and the KV range needs
+        # the tensors
+        r = verify_report(f, storage_options=so, keep_pack=model_name is not None)
+        header, pack = r.pop("header", None), r.pop("pack", None)
+        if r["ok"] and model_name is not None:
+            if model is None:  # loaded at the first intact file; a model that cannot load is the command's error
+                model, tokenizer = _load(model_name, device, dtype)
             try:
-                header, pack = load_pack_and_header(f, storage_options=so)
-                r.update(ok=True, format_version=header.format_version, bytes=header.file_bytes,
-                         checksum=C.CHECKSUM_NAMES.get(header.checksum, header.checksum))
+                check_compatible(header, model, tokenizer, path=str(f))
+                check_kv_range(pack, str(f))  # what kvpack.load refuses too
+                r["fits_model"] = model_name
             except KvpackError as exc:
-                r.update(error=str(exc))
-            if r["ok"]:
-                if model is None:  # loaded at the first intact file; a model that cannot load is the command's error
-                    model, tokenizer = _load(model_name, device, dtype)
-                try:
-                    check_compatible(header, model, tokenizer, path=str(f))
-                    check_kv_range(pack, str(f))  # what kvpack.load refuses too
-                    r["fits_model"] = model_name
-                except KvpackError as exc:
-                    r.update(ok=False, error=str(exc))
-                del pack
+                r.update(ok=False, error=str(exc))
+        del header, pack
         reports.append(r)
         if as_json:
             continue

@@ -11,7 +11,6 @@ import functools
 import json
 import os
 import unicodedata
-from pathlib import Path
 from typing import Any
 
 from . import constants as C
@@ -120,17 +119,25 @@ def list_packs(folder: str | os.PathLike, *, storage_options: dict | None = None
     return rows
 
 
-def verify_report(path: str | os.PathLike, *, storage_options: dict | None = None) -> dict[str, Any]:
+def verify_report(path: str | os.PathLike, *, storage_options: dict | None = None, keep_pack: bool = False
+                  ) -> dict[str, Any]:
     """Check every length, offset and checksum of ``path`` (a path or a URL): ``{"file", "ok", "error",
-    "format_version", "bytes", "checksum"}`` (the last three ``None`` when the file is bad). Never raises for a bad
-    file."""
+    "format_version", "bytes", "checksum"}`` (the last three ``None`` when the file is bad). With ``keep_pack``
+    the whole file is loaded instead (one read: everything ``verify`` checks, and the tensors), and the report also
+    holds the loaded ``"pack"`` (``None`` when the file is bad) and its ``"header"``. Never raises for a bad file."""
+    pack = header = None
     try:
-        header = verify(path, storage_options=storage_options)
+        if keep_pack:
+            header, pack = load_pack_and_header(path, storage_options=storage_options)
+        else:
+            header = verify(path, storage_options=storage_options)
     except KvpackError as exc:
-        return {"file": str(path), "ok": False, "error": str(exc), "format_version": None, "bytes": None,
-                "checksum": None}
-    return {"file": str(path), "ok": True, "error": None, "format_version": header.format_version,
-            "bytes": header.file_bytes, "checksum": C.CHECKSUM_NAMES.get(header.checksum, header.checksum)}
+        report = {"file": str(path), "ok": False, "error": str(exc), "format_version": None, "bytes": None,
+                  "checksum": None}
+    else:
+        report = {"file": str(path), "ok": True, "error": None, "format_version": header.format_version,
+                  "bytes": header.file_bytes, "checksum": C.CHECKSUM_NAMES.get(header.checksum, header.checksum)}
+    return {**report, "header": header, "pack": pack} if keep_pack else report
 
 
 def info_text(file: str | os.PathLike, *, storage_options: dict | None = None) -> str:

@@ -13,7 +13,7 @@ from .. import constants as C
 from ..errors import InputError
 from ..pack import LayerEntries
 from ..prefill import Prefill
-from .am_fit import SHIFTS, attention_output, fit_head, relative_error, rms_attention
+from .am_fit import RIDGE_TARGETS, SHIFTS, attention_output, fit_head, relative_error, rms_attention
 from .base import check_bool, check_choice, check_float, check_int, top_k_rows
 from .d2o import D2O, merge_plan, merge_rows
 from .kvzip import KVzip
@@ -26,8 +26,6 @@ SELECTIONS = ("kvzip", "rms")
 VALUE_MODES = ("fit", "copy", "merge")
 #: Sources of the reference queries (``reference``): KVzip's repeat pass, sampled self-continuations, or both.
 REFERENCES = ("repeat", "continue", "both")
-#: What the values' ridge shrinks them toward (``ridge_to``): zero (a plain ridge) or the selected entries' own values.
-RIDGE_TARGETS = ("zero", "selected")
 #: Reference queries per KV head held out of the fit to measure it (at most; an eighth of a smaller pool).
 HELD_OUT = 256
 #: Seed of the deterministic query subsampling.

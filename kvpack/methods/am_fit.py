@@ -31,11 +31,13 @@ import math
 
 import torch
 
-__all__ = ["BETA_RANGE", "NNLS_ITERS", "RIDGE", "RIDGE_STEPS", "SHIFTS", "nnls_box", "least_squares", "HeadFit",
-           "fit_head", "context_attention", "attention_output", "relative_error", "rms_attention"]
+__all__ = ["BETA_RANGE", "NNLS_ITERS", "RIDGE", "RIDGE_STEPS", "RIDGE_TARGETS", "SHIFTS", "nnls_box", "least_squares",
+           "HeadFit", "fit_head", "context_attention", "attention_output", "relative_error", "rms_attention"]
 
 #: Per-query shifts of the mass matching (``fit_head``'s ``shift``; module docstring).
 SHIFTS = ("lse", "max")
+#: What the values' ridge shrinks them toward (``ridge_to``): zero (a plain ridge) or the selected entries' own values.
+RIDGE_TARGETS = ("zero", "selected")
 #: beta = log w is clamped to this range (the paper's configuration: w in [e^-3, e^3]).
 BETA_RANGE = (-3.0, 3.0)
 #: Projected-gradient steps after the clamped least-squares start (the paper's configuration: 2).
@@ -169,8 +171,8 @@ def fit_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, ke
     Returns:
         ``HeadFit`` (``t = 0``: empty tensors). Raises ``ValueError`` for another ``shift`` or ``ridge_to``.
     """
-    if ridge_to not in ("zero", "selected"):
-        raise ValueError(f"fit_head: ridge_to must be 'zero' or 'selected', got {ridge_to!r}")
+    if ridge_to not in RIDGE_TARGETS:
+        raise ValueError(f"fit_head: ridge_to must be one of {RIDGE_TARGETS}, got {ridge_to!r}")
     t = kept.shape[0]
     if t == 0:
         return HeadFit(keys.new_zeros(0), values.new_zeros(0, values.shape[1]), 0.0)
