@@ -105,6 +105,7 @@ __all__ = [
     "ZSTD_FRAME_MAGIC",
     "MAX_EXPANSION",
     "EXPANSION_FLOOR_BYTES",
+    "ENTRY_TENSORS",
     "READ_CHUNK_BYTES",
     "TEMP_INFIX",
     "TEMP_RANDOM_BYTES",
@@ -321,10 +322,15 @@ DEFAULT_ZSTD_LEVEL = 3
 SAVE_DEFAULT_ZSTD_LEVEL = 0
 #: The first 4 bytes of a zstd frame (0xFD2FB528 little-endian).
 ZSTD_FRAME_MAGIC = b"\x28\xb5\x2f\xfd"
-#: A reader refuses a file whose tensors decompress to more than
-#: ``max(EXPANSION_FLOOR_BYTES, MAX_EXPANSION x file size)`` bytes in all (decompression-bomb guard).
-MAX_EXPANSION = 1024
-EXPANSION_FLOOR_BYTES = 1 << 24
+#: Decompression-bomb guard (``format/SPEC.md`` §6): an encoded tensor other than ``ENTRY_TENSORS`` may decode to at
+#: most ``max(EXPANSION_FLOOR_BYTES, MAX_EXPANSION x its stored bytes)``. Real KV compresses far less: the largest
+#: ratio measured (``tools/zstd_ratios.py``, BENCHMARKS.md "Reliability") is 2.06x (bfloat16 values, level 19),
+#: token ids 4.2x; the writer stores a tensor that would exceed the limit raw instead.
+MAX_EXPANSION = 8
+EXPANSION_FLOOR_BYTES = 1 << 20
+#: Tensors with one element per entry (``positions`` compresses 15x at keep 0.3 and over 1,000x at keep 1.0, its
+#: deltas being 1): exempt from ``MAX_EXPANSION``, their size is bounded by the rows of ``keys`` and ``key_codes``.
+ENTRY_TENSORS = (POSITIONS, ATTN_BIAS)
 
 # --- reading ---------------------------------------------------------------------------------------------------
 #: Bytes a reader holds at once while checksumming or decoding a tensor (``verify``'s whole working buffer).

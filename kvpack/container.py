@@ -31,8 +31,8 @@ from .errors import (ChecksumMismatchError, CorruptFileError, InputError, NotAKv
                      UnsupportedVersionError)
 
 __all__ = ["TensorCodec", "TensorInfo", "Container", "parse_header", "parse_json_text", "has_lone_surrogate",
-           "json_depth", "canonical", "check_tensor", "tensor_bytes", "container_bytes", "write_atomic",
-           "remove_stale_temps"]
+           "json_depth", "canonical", "check_tensor", "expansion_problem", "tensor_bytes", "container_bytes",
+           "write_atomic", "remove_stale_temps"]
 
 _UPGRADE = "upgrade kvpack (`pip install -U kvpack`)"
 _VERSION = re.compile(r"([1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})")
@@ -199,7 +199,7 @@ def parse_header(src: Source) -> Container:
     if end < data_len:
         raise corrupt(f"{data_len - end} unexpected bytes follow the last tensor")
     if C.META_TENSOR_CODECS in meta:
-        _apply_codecs(meta[C.META_TENSOR_CODECS], tensors, size, corrupt)
+        _apply_codecs(meta[C.META_TENSOR_CODECS], tensors, corrupt)
     checksum = next(a for a, k in C.TENSOR_CHECKSUM_KEY.items() if k == sums_keys[0])
     sums = parse_json_text(meta[sums_keys[0]], repr(sums_keys[0]), corrupt)
     if (type(sums) is not dict or sums.keys() != tensors.keys()
@@ -354,7 +354,7 @@ _INDEX_KEY_SET = frozenset(C.INDEX_KEYS)
 _CODEC_KEY_SET = frozenset(C.CODEC_KEYS)
 
 
-def _apply_codecs(text: str, tensors: dict[str, TensorInfo], size: int, corrupt) -> None:
+def _apply_codecs(text: str, tensors: dict[str, TensorInfo], corrupt) -> None:
     """Validate ``tensor_codecs`` and give each encoded tensor its own dtype, shape and codec (in place)."""
     codecs = parse_json_text(text, repr(C.META_TENSOR_CODECS), corrupt)
     if type(codecs) is not dict or not codecs:
@@ -370,10 +370,23 @@ def _apply_codecs(text: str, tensors: dict[str, TensorInfo], size: int, corrupt)
             raise corrupt(f"encoded tensor {tname[:80]!r}: {problem}")
         tensors[tname] = TensorInfo(codec["dtype"], tuple(codec["shape"]), stored.offsets,
                                     TensorCodec(codec["codec"], codec["filter"], codec["level"]))
-    expanded = sum(tensors[t].raw_nbytes for t in codecs)
-    if expanded > max(C.EXPANSION_FLOOR_BYTES, C.MAX_EXPANSION * size):
-        raise corrupt(f"its compressed tensors would decompress to {expanded} bytes, more than {C.MAX_EXPANSION} "
-                      f"times the {size}-byte file: refusing a possible decompression bomb")
+    for tname in codecs:
+        problem = expansion_problem(tname, tensors[tname].raw_nbytes, tensors[tname].nbytes)
+        if problem is not None:
+            raise corrupt(f"encoded tensor {tname[:80]!r}: {problem}")
+
+
+def expansion_problem(tname: str, raw: int, stored: int) -> str | None:
+    """Why an encoded tensor of ``stored`` bytes decoding to ``raw`` bytes is refused as a possible decompression
+    bomb (``format/SPEC.md`` §6): more than ``max(EXPANSION_FLOOR_BYTES, MAX_EXPANSION x stored)`` bytes, for every
+    tensor but ``ENTRY_TENSORS`` (bounded by the entries of ``keys`` and ``key_codes``); or None. The reader
+    refuses such a file, the writer stores such a tensor raw instead."""
+    limit = max(C.EXPANSION_FLOOR_BYTES, C.MAX_EXPANSION * stored)
+    if tname in C.ENTRY_TENSORS or raw <= limit:
+        return None
+    return (f"it would decompress to {raw:,} bytes, {raw / max(stored, 1):,.0f} times its {stored:,} stored bytes "
+            f"(at most {C.MAX_EXPANSION}x, or {C.EXPANSION_FLOOR_BYTES:,} bytes, are allowed; real KV compresses "
+            "about 2x): refusing a possible decompression bomb")
 
 
 def _codec_problem(codec: Any) -> str | None:

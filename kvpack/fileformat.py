@@ -30,8 +30,8 @@ from . import constants as C
 from . import storage
 from .codecs import encode, writer_filter
 from .compact import compact_values_problem, quant_type, value_group_size
-from .container import (Container, TensorCodec, TensorInfo, container_bytes, parse_header, parse_json_text,
-                        tensor_bytes, write_atomic)
+from .container import (Container, TensorCodec, TensorInfo, container_bytes, expansion_problem, parse_header,
+                        parse_json_text, tensor_bytes, write_atomic)
 from .errors import CorruptFileError, InputError
 from .pack import LayerEntries, Pack, QuantizedRows
 from .source import REBUILD, Source, SourceLike
@@ -200,6 +200,9 @@ def _file_parts(pack: Pack, zstd_level: int, checksum: str) -> tuple[bytes, list
         if zstd_level and raw:
             filt = writer_filter(name, code)
             blob = encode(raw, code, filt, zstd_level)
+            if expansion_problem(name, len(raw), len(blob)) is not None:  # a reader would refuse it encoded
+                stored[name] = (code, list(t.shape), raw)
+                continue
             stored[name] = (C.STORED_CODE, [len(blob)], blob)
             codecs[name] = {"codec": C.CODEC_ZSTD, "dtype": code, "filter": filt, "level": zstd_level,
                             "raw_bytes": len(raw), "shape": list(t.shape)}
@@ -226,7 +229,9 @@ def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
     Args:
         pack: the pack (every layer with one keys dtype and one values dtype).
         zstd_level: 0 (default) stores every tensor raw; 1..22 stores every non-empty tensor as one zstd frame of
-            that level after a byte filter (``kvpack.codecs``).
+            that level after a byte filter (``kvpack.codecs``), except one that would compress beyond the reader's
+            limit (``container.expansion_problem``: over 8x and 1 MiB, e.g. the token ids of a repeated text),
+            which is stored raw.
         checksum: the tensor checksums: ``"xxh3"`` (default: XXH3-128, detects damage, not tampering) or
             ``"sha256"``. The header's own checksum is SHA-256 either way.
 

@@ -140,3 +140,21 @@ def set_codec(name, key, value):
         obj["__metadata__"]["tensor_codecs"] = canon(codecs).decode()
 
     return edit
+
+
+def rle_frame(runs: list[tuple[int, int]], checksum: bool = False) -> bytes:
+    """One zstd frame (RFC 8878) whose content is ``runs`` of ``(byte value, count)``, written by hand as RLE blocks
+    of at most 128 KiB: a few bytes per 128 KiB decoded, however large the content (what a decompression bomb
+    looks like); single-segment, declaring its content size, with zstd's content checksum if ``checksum``."""
+    size = sum(n for _, n in runs)
+    out = bytearray(b"\x28\xb5\x2f\xfd" + bytes([0xE0 | (4 if checksum else 0)]) + size.to_bytes(8, "little"))
+    blocks = [(v, min(n - at, 1 << 17)) for v, n in runs for at in range(0, n, 1 << 17)]
+    for i, (value, n) in enumerate(blocks):
+        out += ((n << 3) | (1 << 1) | (i == len(blocks) - 1)).to_bytes(3, "little") + bytes([value])
+    if checksum:
+        h = xxhash.xxh64()
+        for value, n in runs:
+            for at in range(0, n, 1 << 24):
+                h.update(bytes([value]) * min(n - at, 1 << 24))
+        out += (h.intdigest() & 0xFFFFFFFF).to_bytes(4, "little")
+    return bytes(out)

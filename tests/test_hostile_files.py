@@ -25,8 +25,8 @@ from kvpack.errors import (ChecksumMismatchError, CorruptFileError, NotAKvpackFi
                            TruncatedFileError, UnsupportedVersionError)
 from kvpack.fileformat import load_pack, read_header, verify
 
-from .forge import (assemble, canon, f32, i32, restore, set_codec, set_entry, set_kvpack, set_meta, split, stored,
-                    with_length)
+from .forge import (assemble, canon, f32, i32, restore, rle_frame, set_codec, set_entry, set_kvpack, set_meta, split,
+                    stored, with_length)
 from .golden_packs import GOLDEN_DIR
 
 GOLD = (GOLDEN_DIR / "small_f32.kvpack").read_bytes()  # 2 x 2 heads, entries [[4, 3], [5, 0]], 8 tokens, sink 2
@@ -166,8 +166,62 @@ def _grid_with(row: int, col: int, value: float) -> bytes:
     return grid.numpy().tobytes()
 
 
-_BITS = stored(GOLD_Q, "key_bits")  # [2 layers, 2 heads, 4 channels]; layer 0 head 0: [7, 4, 3, 2]
 _LAYOUT = {"prefix": "<s>", "separator": "\n\nQuestion: ", "turn_end": "\nAnswer:", "templated": False}
+
+
+def _bomb(rows: int, code: str = "F16", pad: tuple[str, int] | None = None) -> bytes:
+    """The decompression bomb of issue 30, scaled by ``rows``: small_f32_zstd with layer 0 head 0 holding ``rows``
+    entries of zero keys and values (``code``, ``[rows, 4]``), token ids 0 and positions ``0 .. rows - 1``, every
+    tensor one hand-made zstd frame of RLE blocks (a few bytes per 128 KiB decoded); otherwise consistent, checksums
+    valid. ``pad``: ``(kvpack metadata field, characters)`` pads the header (``method_params`` is the issue's file:
+    its 1,000,000 characters raised the old limit of 1,024x the file to about 1 GiB)."""
+    kv = rows * 4 * (2 if code in ("F16", "BF16") else 4)
+    blobs = {"token_ids": rle_frame([(0, 4 * rows)]), "head_lengths": zframe(i32(rows, 0, 0, 0)),
+             "positions": rle_frame([(0, 1), (1, rows - 1), (0, 3 * rows)]),  # deltas 0, 1, 1, ... shuffled
+             "keys": rle_frame([(0, kv)]), "values": rle_frame([(0, kv)])}
+
+    def edit(obj):
+        for name, shape, dtype in (("token_ids", [rows], "I32"), ("positions", [rows], "I32"),
+                                   ("keys", [rows, 4], code), ("values", [rows, 4], code)):
+            set_codec(name, "shape", shape)(obj)
+            set_codec(name, "dtype", dtype)(obj)
+            set_codec(name, "raw_bytes", math.prod(shape) * (4 if dtype in ("I32", "F32") else 2))(obj)
+        if pad is not None:
+            field, n = pad
+            set_kvpack(field, {"method_params": {"pad": "x" * n}, "stats": {"pad": "x" * n},
+                               "layout": {**_LAYOUT, "prefix": "x" * n}}[field])(obj)
+
+    return restore(GOLD_Z, blobs, edit)
+
+
+def _int4_codes_bomb(rows: int) -> bytes:
+    """small_int4 with ``key_codes`` declared ``[rows, 2]`` and stored as one zstd frame of zero codes."""
+    def edit(obj):
+        obj["key_codes"]["dtype"], obj["key_codes"]["shape"] = "U8", [len(frame)]
+        obj["__metadata__"]["tensor_codecs"] = canon({"key_codes": {
+            "codec": "zstd", "dtype": "U8", "filter": "none", "level": 3, "raw_bytes": 2 * rows,
+            "shape": [rows, 2]}}).decode()
+
+    frame = rle_frame([(0, 2 * rows)])
+    return restore(GOLD_Q, {"key_codes": frame}, edit)
+
+
+#: Decompression bombs (issue 30): each refused from its header (no tensor decoded) by the per-tensor limit.
+BOMBS = {
+    "bomb: fp16 zeros, 1 MB of method_params padding": _bomb(1 << 24, pad=("method_params", 1_000_000)),
+    "bomb: fp16 zeros, stats padding": _bomb(1 << 22, pad=("stats", 60_000)),
+    "bomb: fp16 zeros, layout prefix padding": _bomb(1 << 22, pad=("layout", 60_000)),
+    "bomb: fp16 zeros": _bomb(1 << 20),
+    "bomb: bf16 zeros": _bomb(1 << 20, "BF16"),
+    "bomb: f32 zeros": _bomb(1 << 20, "F32"),
+    "bomb: keys just over the 1 MiB floor": _bomb((1 << 17) + 1),
+    "bomb: int4 codes": _int4_codes_bomb(1 << 20),
+    "bomb: token ids only": restore(GOLD_Z, {"token_ids": rle_frame([(0, 4 << 20)])}, lambda o: (
+        set_codec("token_ids", "shape", [1 << 20])(o), set_codec("token_ids", "raw_bytes", 4 << 20)(o))),
+}
+
+
+_BITS = stored(GOLD_Q, "key_bits")  # [2 layers, 2 heads, 4 channels]; layer 0 head 0: [7, 4, 3, 2]
 T, X, V = TruncatedFileError, CorruptFileError, UnsupportedVersionError
 NEWER = f"{C.FORMAT_MAJOR + 1}.0"
 
@@ -289,6 +343,10 @@ _add("header", {
         {**json.loads(o["__metadata__"]["tensor_codecs"]), "token_ids": [1]}).decode())), X),
     "codecs for an unknown tensor": (restore(GOLD_Z, edit_header=lambda o: o["__metadata__"].update(
         tensor_codecs=o["__metadata__"]["tensor_codecs"][:-1] + ',"zz":{}}')), X),
+    **{name: (data, X) for name, data in BOMBS.items()},
+    "entries declared beyond the keys (positions are exempt, bounded by the layout)": (restore(
+        GOLD_Z, {"positions": rle_frame([(0, 1), (1, (1 << 24) - 1), (0, 3 << 24)])}, lambda o: (
+            set_codec("positions", "shape", [1 << 24])(o), set_codec("positions", "raw_bytes", 4 << 24)(o))), X),
     "codec decodes to a huge tensor": (restore(GOLD_Z, edit_header=lambda o: (
         set_codec("token_ids", "shape", [2**31 - 1])(o), set_codec("token_ids", "raw_bytes", 4 * (2**31 - 1))(o))), X),
     "empty tensor_codecs": (forge(set_meta("tensor_codecs", "{}")), X),
@@ -441,6 +499,80 @@ def test_huge_declared_sizes_allocate_nothing(case):
     assert peak < 40 * len(data) + 2_000_000  # work on the bytes present, nothing from the sizes declared
 
 
+@pytest.mark.parametrize("case", sorted(BOMBS))
+def test_decompression_bombs_are_refused_from_the_header_with_bounded_memory(case):
+    """Each bomb is refused by the per-tensor limit (``format/SPEC.md`` §6) before any tensor is read, holding
+    memory linear in the file's bytes, never in what its frames declare."""
+    data = BOMBS[case]
+    tracemalloc.start()
+    try:
+        for reader in (read_header, load_pack):
+            with pytest.raises(CorruptFileError, match="decompression bomb"):
+                reader(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 40 * len(data) + 2_000_000
+
+
+def test_the_issue_bomb_passed_the_old_whole_file_limit():
+    """The padded bomb is the issue's file: the old rule (all encoded tensors decode to at most 1,024x the file)
+    accepted it, the header padding having raised that limit; the per-tensor rule names its keys instead."""
+    data = BOMBS["bomb: fp16 zeros, 1 MB of method_params padding"]
+    obj, _ = split(data)
+    decoded = sum(c["raw_bytes"] for c in json.loads(obj["__metadata__"]["tensor_codecs"]).values())
+    assert 1_000_000 < len(data) < decoded <= 1024 * len(data)
+    with pytest.raises(CorruptFileError, match=r"tensor 'keys': it would decompress to 134,217,728 bytes"):
+        read_header(data)
+
+
+def test_tensors_at_the_floor_load_and_one_row_more_is_refused():
+    """Keys and values of exactly 1 MiB decoded (the floor) from a few hundred stored bytes load, zeros and
+    positions 0..n-1 as declared; one row more (``bomb: keys just over the 1 MiB floor``) is refused."""
+    rows = C.EXPANSION_FLOOR_BYTES // 8
+    pack = load_pack(_bomb(rows))
+    assert pack.layers[0].keys.shape == (rows, 4) and pack.layers[0].keys.dtype == torch.float16
+    assert not pack.layers[0].keys.any() and not pack.layers[0].values.any()
+    assert torch.equal(pack.layers[0].positions.long(), torch.arange(rows))
+    assert read_header(_bomb(rows)).tensors["keys"].nbytes * C.MAX_EXPANSION < C.EXPANSION_FLOOR_BYTES
+    with pytest.raises(CorruptFileError, match="'keys'.*decompression bomb"):
+        read_header(_bomb(rows + 1))
+
+
+def test_the_limit_is_the_tensors_own_ratio():
+    from kvpack.container import expansion_problem
+
+    stored = C.EXPANSION_FLOOR_BYTES  # above the floor, the ratio decides
+    assert expansion_problem("keys", C.MAX_EXPANSION * stored, stored) is None
+    assert "decompression bomb" in expansion_problem("keys", C.MAX_EXPANSION * stored + 1, stored)
+    assert expansion_problem("token_ids", C.EXPANSION_FLOOR_BYTES, 1) is None
+    assert expansion_problem("token_ids", C.EXPANSION_FLOOR_BYTES + 1, 1) is not None
+    assert expansion_problem("positions", 2**40, 1) is None and expansion_problem("attn_bias", 2**40, 1) is None
+
+
+def test_entry_tensors_are_bounded_by_the_layout():
+    with pytest.raises(CorruptFileError, match="keys/values have 12 rows but positions 16777216"):
+        read_header(CASES["entries declared beyond the keys (positions are exempt, bounded by the layout)"][0])
+
+
+def test_the_writer_stores_raw_what_the_reader_would_refuse_encoded(tmp_path):
+    """Zero KV and a repeated text compress far beyond 8x: ``save`` stores those tensors raw (the reader accepts
+    the file) and still encodes the others; the pack reads back equal."""
+    from kvpack.fileformat import save
+    from kvpack.pack import LayerEntries, Pack
+
+    rows, tokens = 200_000, 300_000
+    layer = LayerEntries(torch.zeros(rows, 4, dtype=torch.float16), torch.randn(rows, 4).half(),
+                         torch.arange(rows, dtype=torch.int32), torch.tensor([rows]))
+    pack = Pack(token_ids=torch.arange(tokens) % 7, layers=[layer], sink_tokens=0, metadata={})
+    save(pack, tmp_path / "z.kvpack", zstd_level=19)
+    header = read_header(tmp_path / "z.kvpack")
+    assert header.tensors["keys"].codec is None and header.tensors["token_ids"].codec is None  # 8x+ and > 1 MiB
+    assert header.tensors["values"].codec is not None and header.tensors["positions"].codec is not None
+    back = load_pack(tmp_path / "z.kvpack")
+    assert torch.equal(back.token_ids, pack.token_ids) and torch.equal(back.layers[0].values, layer.values)
+
+
 EDGES = {0, 7, 8, 8 + len(C.MAGIC), 8 + N, len(GOLD) - 1}
 SPREAD = sorted({round(i * (len(GOLD) - 1) / 29) for i in range(30)} | EDGES)
 
@@ -484,13 +616,14 @@ def test_stored_corpus():
 
 
 def write_corpus(folder: Path = CORPUS, limit: int = 16 * 1024) -> int:
-    """Store every case under ``limit`` bytes in ``folder`` with a manifest (file -> case name, error class)."""
+    """Store every case under ``limit`` bytes, and every decompression bomb (``BOMBS``: mostly header padding, a few
+    KB once git compresses them), in ``folder`` with a manifest (file -> case name, error class)."""
     folder.mkdir(exist_ok=True)
     for old in folder.glob("*.kvpack"):
         old.unlink()
     manifest = {}
     for i, (case, (data, error, _)) in enumerate(sorted(CASES.items())):
-        if len(data) > limit:
+        if len(data) > limit and case not in BOMBS:
             continue
         fname = f"{i:03d}.kvpack"
         (folder / fname).write_bytes(data)
