@@ -28,7 +28,7 @@ import os
 import posixpath
 import tempfile
 import time
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -43,7 +43,8 @@ from .fileformat import PackHeader, check_storage_args, read_header, save, verif
 from .fingerprint import check_fingerprint, model_fingerprint
 from .layout import chat_layout
 from .manifest import MANIFEST_NAME, ManifestWriter, read_manifest
-from .methods import METHODS, get_method
+from .methods import get_method
+from .methods.params import PARAMS
 from .model import model_spec
 from .names import part_name
 from .quant import check_quant_args
@@ -317,11 +318,12 @@ def _recorded_parts(out: Path | str, ctx: Context, records: dict, sha: str, sett
 def _with_defaults(method: Any, params: Any) -> Any:
     """``params`` recorded for ``method`` completed with the defaults of the method's parameters they lack (a pack
     from an older kvpack records none of those added since), from the method's dataclass fields: nothing is
-    instantiated and no file a recorded parameter names is read. As given for an unknown method."""
-    cls = METHODS.get(method) if isinstance(method, str) else None
+    instantiated and no file a recorded parameter names is read (``kvpack.methods.params``). As given for an unknown
+    method."""
+    cls = PARAMS.get(method) if isinstance(method, str) else None
     if cls is None or not isinstance(params, dict):
         return params
-    defaults = {f.name: f.default for f in fields(cls) if f.init and f.default is not MISSING}
+    defaults = cls.defaults()
     try:
         return json.loads(json.dumps({**defaults, **params}))
     except (TypeError, ValueError):

@@ -33,9 +33,7 @@ from .listing import json_text, printable, table as _table
 from .compact_cache import DEQUANTIZE
 from .loading import cache_from_pack, check_kv_range
 from .methods import METHODS
-from .methods.base import SCOPES
-from .methods.d2o import MERGE_MODES
-from .methods.kvzip_plus import SCORINGS
+from .methods.params import SCORINGS, command_line_options
 from .model import REFERENCE_MODEL_NAME, load_model, model_for_pack, model_identity
 
 __all__ = ["cli", "main"]
@@ -98,72 +96,37 @@ def cli():
 # ---------------------------------------------------------------------------------------------------------------
 # build
 
-#: CLI option -> method parameter; each method takes the parameters its class declares (``kvpack.methods``).
-_METHOD_FLAGS = {"sink": "--sink", "recent_ratio": "--recent-ratio", "merge": "--merge",
-                 "beta": "--beta", "budget": "--budget", "window": "--window", "question": "--question",
-                 "seed": "--seed", "heads": "--heads", "scoring": "--score", "selection": "--select",
-                 "values": "--values", "queries": "--queries", "on_policy": "--on-policy",
-                 "reference": "--reference", "ridge": "--ridge", "ridge_to": "--ridge-to"}
-
-
 def _method_options(f):
-    opts = [
-        click.option("--seed", type=int, default=None, help="random: seed [default: 0]."),
-        click.option("--question", default=None, metavar="TEXT",
-                     help="snapkv, pyramidkv: observe this question instead of the context's tail (query-aware)."),
-        click.option("--window", type=click.IntRange(min=0), default=None,
-                     help="snapkv, pyramidkv: observation window in tokens [default: 64]; kvzip-head: recent "
-                          "context tokens also kept in dropped heads [default: 0]."),
-        click.option("--heads", default=None, metavar="FILE",
-                     help="kvzip-head: the model's head scores (made once by `kvpack heads`)."),
-        click.option("--score", "scoring", type=click.Choice(SCORINGS), default=None,
-                     help="kvzip, am (its selection): attention (the paper's) or plus (KVzip+: weighted by each "
-                          "entry's output norm relative to the query's hidden state, as kvpress's KVzipPress) "
-                          "[default: attention]."),
-        click.option("--budget", type=click.Choice(SCOPES), default=None,
-                     help="h2o, snapkv, knorm, random (any), pyramidkv (layer or head): scope of the top-k; "
-                          "global gives heads non-uniform budgets [default: head]."),
-        click.option("--beta", type=float, default=None,
-                     help="d2o: EMA weight of the merge threshold [default: 0.7]; pyramidkv: pyramid steepness "
-                          "[default: 20]."),
-        click.option("--merge", type=click.Choice(MERGE_MODES), default=None,
-                     help="d2o: what merging evicted entries into their nearest kept one changes: keys+values (the "
-                          "paper's), values only (kept keys stay as prefilled), or off (eviction alone) "
-                          "[default: keys+values]."),
-        click.option("--recent-ratio", type=float, default=None,
-                     help="d2o: recent window's share of a head's non-sink budget, M/(N+M) [default: 0.25, N:M=3:1]."),
-        click.option("--sink", type=click.IntRange(min=0), default=None,
-                     help="d2o, streaming: attention-sink tokens kept at the start of the context [default: 4]."),
-        click.option("--select", "selection", type=click.Choice(["kvzip", "rms"]), default=None,
-                     help="am: keys kept within a head, by KVzip's score or RMS attention [default: kvzip]."),
-        click.option("--values", type=click.Choice(["fit", "copy", "merge"]), default=None,
-                     help="am: kept values fitted by least squares, copied, or D2O-merged [default: fit]."),
-        click.option("--queries", type=click.IntRange(min=16), default=None,
-                     help="am: reference queries per KV head [default: 4096]."),
-        click.option("--reference", type=click.Choice(["repeat", "continue", "both"]), default=None,
-                     help="am: reference queries from KVzip's repeat pass, from 512 tokens the model samples after "
-                          "the context (slower: a decode step each), or both [default: repeat]."),
-        click.option("--on-policy", "on_policy", is_flag=True, default=None,
-                     help="am: recompute each layer's queries with the earlier layers compacted."),
-        click.option("--ridge", type=click.FloatRange(0.0, 1.0), default=None,
-                     help="am: ridge of the values' least squares, as a share of the mean diagonal of the normal "
-                          "equations (e.g. 0.001); 0 is the paper's plain least squares [default: 0]."),
-        click.option("--ridge-to", "ridge_to", type=click.Choice(["zero", "selected"]), default=None,
-                     help="am: what --ridge shrinks the fitted values toward: zero, or the kept entries' own values "
-                          "(the larger the ridge, the closer to --values copy) [default: zero]."),
-    ]
-    for opt in opts:
-        f = opt(f)
+    """``build``'s method options, made from the method parameters declared with ``option``
+    (``kvpack.methods.params``): one click option per flag, its help naming each method that takes it, with that
+    method's default."""
+    for o in reversed(command_line_options()):
+        if o.type is bool:
+            kind = dict(is_flag=True)
+        elif o.choices:
+            kind = dict(type=click.Choice(o.choices))
+        elif o.low is not None or o.high is not None:
+            kind = dict(type=(click.IntRange if o.type is int else click.FloatRange)(o.low, o.high))
+        else:
+            kind = dict(type=o.type)
+        uses: dict[tuple[str, str], list[str]] = {}  # (help, default) -> the methods, each with its own choices
+        for method, text, default, choices in o.uses:
+            shown = "" if default is None or isinstance(default, bool) else f" [default: {default}]"
+            own = f" ({', '.join(choices)})" if choices and choices != o.choices else ""
+            uses.setdefault((text, shown), []).append(method + own)
+        text = "; ".join(f"{', '.join(names)}: {text}{shown}" for (text, shown), names in uses.items())
+        f = click.option(o.flag, o.param, default=None, metavar=o.metavar, help=text + ".", **kind)(f)
     return f
 
 
 def _method_params(method: str, given: dict) -> dict:
     """The method options given on the command line; ``InputError`` for one the method does not take."""
     given = {k: v for k, v in given.items() if v is not None}
+    flags = {o.param: o.flag for o in command_line_options()}
     takes = METHODS[method].parameter_names()
-    wrong = [_METHOD_FLAGS[k] for k in given if k not in takes]
+    wrong = [flags[k] for k in given if k not in takes]
     if wrong:
-        own = [_METHOD_FLAGS[k] for k in takes if k in _METHOD_FLAGS]
+        own = [flags[k] for k in takes if k in flags]
         raise InputError(f"--method {method} does not take {', '.join(wrong)} "
                          f"({'its options: ' + ', '.join(own) if own else 'it has no method options'})")
     return given

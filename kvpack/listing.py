@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import unicodedata
@@ -18,6 +17,7 @@ from .errors import InputError, KvpackError
 from . import storage
 from .fileformat import PackHeader, load_pack_and_header, read_header, verify
 from .manifest import read_manifest
+from .methods.params import PARAMS
 
 __all__ = ["describe_pack", "list_packs", "verify_report", "info_text", "table", "pairs", "printable", "json_text",
            "method_label"]
@@ -33,11 +33,9 @@ def method_label(method: Any, params: Any) -> str:
         return "?"
     if not isinstance(params, dict) or not params:
         return method
-    from .methods import METHODS
-
-    if method not in METHODS:
+    if method not in PARAMS:
         return method
-    defaults = _method_defaults(method)
+    defaults = PARAMS[method].defaults()
     changed = []
     for k in sorted(k for k in params if isinstance(k, str)):
         v = params[k]
@@ -49,17 +47,6 @@ def method_label(method: Any, params: Any) -> str:
         if text.isprintable():  # a header's control characters never reach the terminal
             changed.append(f"{k}={text}")
     return f"{method}[{';'.join(changed)}]" if changed else method
-
-
-@functools.lru_cache(maxsize=None)
-def _method_defaults(method: str) -> dict:
-    """The default parameters of a known method (made once per method: ``kvpack ls`` labels every pack)."""
-    from .methods import get_method
-
-    try:
-        return get_method(method).params()
-    except KvpackError:  # a method whose defaults need a file (kvzip-head's head scores)
-        return {}
 
 
 def describe_pack(path: str | os.PathLike, header: PackHeader | None = None, *,

@@ -4,6 +4,7 @@ arithmetic, option checks, and a registry-driven build / save / load / generate 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -172,6 +173,83 @@ def test_defaults_only_fill_parameters_a_method_has():
     assert get_method("kvzip", {"chunk_size": 7}).chunk_size == 7
     assert get_method("kvzip", {"chunk_size": 7}, chunk_size=9).chunk_size == 9
     assert get_method("h2o", {"chunk_size": 7}).params() == {"budget": "head"}
+
+
+def test_every_method_takes_the_parameters_declared_for_it():
+    from kvpack.methods.params import PARAMS
+
+    assert list(PARAMS) == list(METHODS)
+    for name, cls in METHODS.items():
+        assert issubclass(cls, PARAMS[name]) and cls.name == name
+        assert cls.parameter_names() == PARAMS[name].parameter_names()
+        assert PARAMS[name].defaults() == {k: v for k, v in PARAMS[name]().params().items()}
+
+
+def test_build_flags_are_made_from_the_declared_fields():
+    from kvpack.methods.params import command_line_options
+
+    opts = {o.flag: o for o in command_line_options()}
+    assert {f: o.param for f, o in opts.items()} == {
+        "--score": "scoring", "--heads": "heads", "--window": "window", "--select": "selection", "--values": "values",
+        "--queries": "queries", "--on-policy": "on_policy", "--reference": "reference", "--ridge": "ridge",
+        "--ridge-to": "ridge_to", "--sink": "sink", "--recent-ratio": "recent_ratio", "--merge": "merge",
+        "--beta": "beta", "--budget": "budget", "--question": "question", "--seed": "seed"}
+    assert [u[0] for u in opts["--window"].uses] == ["kvzip-head", "snapkv", "pyramidkv"]
+    assert [(u[0], u[2]) for u in opts["--beta"].uses] == [("d2o", 0.7), ("pyramidkv", 20.0)]
+    assert opts["--budget"].choices == SCOPES and opts["--budget"].uses[2][3] == ("layer", "head")  # pyramidkv's
+    assert (opts["--queries"].type, opts["--queries"].low) == (int, 16)
+    assert (opts["--ridge"].low, opts["--ridge"].high) == (0.0, 1.0) and opts["--on-policy"].type is bool
+    assert opts["--heads"].type is str and opts["--heads"].metavar == "FILE"
+
+
+def test_a_new_field_is_a_flag_and_a_spec_key_and_a_clash_is_refused():
+    from dataclasses import dataclass
+
+    from kvpack.methods.params import D2OParams, MethodParams, command_line_options, option
+
+    @dataclass
+    class Toy(MethodParams):
+        name = "toy"
+        sink: int = option(4, "sinks", low=0)
+        tile_width: float = option(0.5, "a new option", choices=None)
+
+    opts = {o.flag: o for o in command_line_options({"toy": Toy, "d2o": D2OParams})}
+    assert opts["--tile-width"].param == "tile_width" and opts["--tile-width"].uses == (("toy", "a new option", 0.5,
+                                                                                          None),)
+    assert [u[0] for u in opts["--sink"].uses] == ["toy", "d2o"]
+
+    @dataclass
+    class Clash(MethodParams):
+        name = "clash"
+        sink: float = option(4.0, "a float under the same flag")
+
+    with pytest.raises(TypeError, match="--sink"):
+        command_line_options({"d2o": D2OParams, "clash": Clash})
+
+
+@pytest.mark.parametrize("spec, options", [
+    ("snapkv[question=42;window=8]", {"question": "42", "window": 8}),  # question is text, window an integer
+    ("d2o[beta=1;sink=2]", {"beta": 1.0, "sink": 2}),
+    ("am[on_policy=TRUE;ridge=0.5;ridge_to=selected]", {"on_policy": True, "ridge": 0.5, "ridge_to": "selected"}),
+])
+def test_spec_values_are_read_as_their_fields_types(spec, options):
+    from kvpack.bench.specs import parse_method_spec
+
+    name, got = parse_method_spec(spec)
+    assert got == options and [type(v) for v in got.values()] == [type(v) for v in options.values()]
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("am[on_policy=1]", "on_policy must be true or false, got '1'"),
+    ("d2o[sink=two]", "sink must be an integer, got 'two'"),
+    ("d2o[beta=high]", "beta must be a number, got 'high'"),
+    ("d2o[budget=head]", "has no parameter 'budget'"),
+])
+def test_spec_values_of_the_wrong_type_are_input_errors(spec, fragment):
+    from kvpack.bench.specs import parse_method_spec
+
+    with pytest.raises(InputError, match=re.escape(fragment)):
+        parse_method_spec(spec)
 
 
 # ---------------------------------------------------------------------------------------------------------------

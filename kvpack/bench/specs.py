@@ -6,9 +6,9 @@
     kvzip[scoring=plus]                  KVzip+
     kvzip-head[heads=runs/h.safetensors;window=16]
 
-Keys are the method's parameters (``kvpack.methods``); values are read as integers, then floats, then
-``true``/``false``, else kept as strings, and checked by building the method (``get_method``). The spec string
-itself is the variant's name in the report.
+Keys are the method's parameters, the fields declared in ``kvpack.methods.params``; each value is read as its
+field's type (an integer, a number, ``true``/``false``, or the text as it is: ``kvpack.methods.params.parse_value``)
+and checked by building the method (``get_method``). The spec string itself is the variant's name in the report.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from __future__ import annotations
 import re
 
 from ..errors import InputError
-from ..methods import METHODS, get_method
+from ..methods import get_method
+from ..methods.params import PARAMS, parse_value
 
 __all__ = ["parse_method_spec"]
 
@@ -29,14 +30,15 @@ def parse_method_spec(spec: str, *, validate: bool = True) -> tuple[str, dict]:
 
     Raises:
         InputError: not ``name`` or ``name[k=v;...]``, an unknown method, an option without ``=`` or given twice,
-            or (``validate``) options the method rejects (a parameter it does not take, a bad value: ``get_method``).
+            a value not of its parameter's type, or (``validate``) options the method rejects (a parameter it does
+            not take, a bad value: ``get_method``).
     """
     m = _SPEC.match(spec.strip()) if isinstance(spec, str) else None
     if m is None:
         raise InputError(f"bad method spec {spec!r}; write NAME or NAME[key=value;key=value], e.g. d2o[merge=values]")
     name, body = m.group(1), m.group(2)
-    if name not in METHODS:
-        raise InputError(f"unknown method {name!r}; choose from: {', '.join(sorted(METHODS))}")
+    if name not in PARAMS:
+        raise InputError(f"unknown method {name!r}; choose from: {', '.join(sorted(PARAMS))}")
     options: dict = {}
     for item in (body or "").split(";"):
         if not item.strip():
@@ -47,16 +49,8 @@ def parse_method_spec(spec: str, *, validate: bool = True) -> tuple[str, dict]:
             raise InputError(f"bad option {item!r} in method spec {spec!r}; write key=value")
         if key in options:
             raise InputError(f"option {key!r} given twice in method spec {spec!r}")
-        options[key] = _value(value.strip())
+        options[key] = parse_value(name, key, value.strip())
     if validate:
         get_method(name, **options)  # validates the options (kvzip-head reads its head file here)
     return name, options
 
-
-def _value(text: str):
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)

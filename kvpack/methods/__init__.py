@@ -1,5 +1,6 @@
-"""The registry of compression methods: name -> class. It drives ``--method``, the CLI's method options and the
-per-method tests (``tests/test_methods.py`` runs every entry on every tiny architecture)."""
+"""The registry of compression methods: name -> class. It drives ``--method`` and the per-method tests
+(``tests/test_methods.py`` runs every entry on every tiny architecture); the methods' parameters, which the CLI's
+method options and ``--methods`` specs are made from, are declared in ``kvpack.methods.params`` (``PARAMS``)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def get_method(name: str, defaults: dict | None = None, **params) -> Method:
         name: a key of ``METHODS``.
         defaults: values used for the method's parameters that ``params`` does not set, when the method has
             such a parameter (e.g. ``{"chunk_size": 2048}`` from ``kvpack.compress`` for KVzip); others ignored.
-        **params: the method's parameters; each must be one of its dataclass fields.
+        **params: the method's parameters; each must be one of its dataclass fields (``kvpack.methods.params``).
 
     Raises:
         InputError: unknown method, a parameter the method does not take (naming the ones it does), or a bad

@@ -10,22 +10,16 @@ from typing import Callable, ClassVar
 import torch
 
 from .. import constants as C
-from ..errors import InputError
 from ..pack import LayerEntries
 from ..prefill import Prefill
-from .am_fit import RIDGE_TARGETS, SHIFTS, attention_output, fit_head, relative_error, rms_attention
-from .base import check_bool, check_choice, check_float, check_int, top_k_rows
+from .am_fit import attention_output, fit_head, relative_error, rms_attention
+from .base import top_k_rows
 from .d2o import D2O, merge_plan, merge_rows
 from .kvzip import KVzip
+from .params import AttentionMatchingParams
 
-__all__ = ["AttentionMatching", "QueryReservoir", "HELD_OUT", "SELECTIONS", "VALUE_MODES", "REFERENCES",
-           "RIDGE_TARGETS"]
+__all__ = ["AttentionMatching", "QueryReservoir", "HELD_OUT"]
 
-#: Within-head selections (``selection``) and value modes (``values``).
-SELECTIONS = ("kvzip", "rms")
-VALUE_MODES = ("fit", "copy", "merge")
-#: Sources of the reference queries (``reference``): KVzip's repeat pass, sampled self-continuations, or both.
-REFERENCES = ("repeat", "continue", "both")
 #: Reference queries per KV head held out of the fit to measure it (at most; an eighth of a smaller pool).
 HELD_OUT = 256
 #: Seed of the deterministic query subsampling.
@@ -92,7 +86,7 @@ class QueryReservoir:
 
 
 @dataclass
-class AttentionMatching(KVzip):
+class AttentionMatching(AttentionMatchingParams, KVzip):
     """KVzip's selection, then per KV head a closed-form fit of a bias ``beta`` per kept entry and of their values
     so that attention over the kept entries reproduces attention over the whole context (arXiv 2602.16284 §3).
 
@@ -128,7 +122,7 @@ class AttentionMatching(KVzip):
     at the same budget (beta = 0, values copied: ``selection_error``; fitted heads only, as ``relative_error``),
     the mean relative mass error on the fit queries of the fitted heads, and the heads left unfitted or rejected.
 
-    Parameters:
+    Parameters (declared in ``kvpack.methods.params``):
         chunk_size, tail_tokens, scoring: KVzip's (its repeat pass; ``scoring="plus"`` selects by KVzip+).
         selection: ``"kvzip"`` or ``"rms"``.
         values: ``"fit"``, ``"copy"`` or ``"merge"``.
@@ -149,39 +143,10 @@ class AttentionMatching(KVzip):
             ``ridge > 0``.
     """
 
-    name: ClassVar[str] = "am"
     stats_key: ClassVar[str] = "fit"
-    selection: str = "kvzip"
-    values: str = "fit"
-    queries: int = 4096
-    on_policy: bool = False
-    held_out_check: bool = True
-    shift: str = "lse"
-    reference: str = "repeat"
-    continue_tokens: int = 512
-    ridge: float = 0.0
-    ridge_to: str = "zero"
 
     def __post_init__(self):
         super().__post_init__()
-        check_choice(self.name, "selection", self.selection, SELECTIONS)
-        check_choice(self.name, "values", self.values, VALUE_MODES)
-        check_int(self.name, "queries", self.queries, 16)
-        check_bool(self.name, "on_policy", self.on_policy)
-        check_bool(self.name, "held_out_check", self.held_out_check)
-        check_choice(self.name, "shift", self.shift, SHIFTS)
-        check_choice(self.name, "reference", self.reference, REFERENCES)
-        check_int(self.name, "continue_tokens", self.continue_tokens, 1)
-        check_float(self.name, "ridge", self.ridge, 0.0, 1.0)
-        self.ridge = float(self.ridge)
-        check_choice(self.name, "ridge_to", self.ridge_to, RIDGE_TARGETS)
-        if self.ridge_to != "zero" and self.ridge == 0:
-            raise InputError(f"am: --ridge-to {self.ridge_to} (ridge_to={self.ridge_to!r}) shrinks the fitted values "
-                             "through the ridge, which is 0; give --ridge too (e.g. --ridge 1)")
-        if self.on_policy and self.reference != "repeat":
-            raise InputError(f"am: --on-policy (on_policy) recomputes the repeat pass's queries and cannot be combined "
-                             f"with --reference {self.reference} (reference={self.reference!r}); use --reference "
-                             "repeat with it, or drop --on-policy")
         self._reservoirs: list[QueryReservoir] | None = None
 
     def _prepare_repeat_pass(self, cache, start: int) -> None:

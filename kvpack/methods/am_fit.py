@@ -31,13 +31,11 @@ import math
 
 import torch
 
-__all__ = ["BETA_RANGE", "NNLS_ITERS", "RIDGE", "RIDGE_STEPS", "RIDGE_TARGETS", "SHIFTS", "nnls_box", "least_squares",
+from .params import RIDGE_TARGETS
+
+__all__ = ["BETA_RANGE", "NNLS_ITERS", "RIDGE", "RIDGE_STEPS", "nnls_box", "least_squares",
            "HeadFit", "fit_head", "context_attention", "attention_output", "relative_error", "rms_attention"]
 
-#: Per-query shifts of the mass matching (``fit_head``'s ``shift``; module docstring).
-SHIFTS = ("lse", "max")
-#: What the values' ridge shrinks them toward (``ridge_to``): zero (a plain ridge) or the selected entries' own values.
-RIDGE_TARGETS = ("zero", "selected")
 #: beta = log w is clamped to this range (the paper's configuration: w in [e^-3, e^3]).
 BETA_RANGE = (-3.0, 3.0)
 #: Projected-gradient steps after the clamped least-squares start (the paper's configuration: 2).

@@ -1,6 +1,7 @@
 """What every compression method shares: parameters, budgets, top-k selection, gathering, and the merge hook.
 
-A method is a small dataclass whose fields are its parameters; it writes only how it scores (``score``) and, where
+A method is a small dataclass whose fields are its parameters (declared once in ``kvpack.methods.params``, which
+the command line, ``--methods`` specs and ``kvpack ls`` read without importing torch); it writes only how it scores (``score``) and, where
 its paper says so, how it splits the budget (``layer_budgets``, ``select_heads``) or changes the kept entries
 (``update_entries``, D2O's merge). ``kvpack.compress`` drives every method the same way::
 
@@ -24,53 +25,34 @@ sliding-window layers of hybrid models are kept intact and are not counted eithe
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 import numpy as np
 import torch
 
-from ..errors import InputError
 from ..model import ModelSpec
 from ..pack import LayerEntries
 from ..prefill import Prefill
 from ..stats import AttentionRecorder
+from .params import SCOPES, MethodParams
 
 __all__ = ["Method", "SCOPES", "select_global", "top_k_rows", "split_evenly", "fit_budgets", "gather",
-           "context_stats", "check_int", "check_float", "check_choice", "check_bool"]
-
-#: The top-k scopes of ``Method.select``.
-SCOPES = ("global", "layer", "head")
+           "context_stats"]
 
 
 @dataclass
-class Method:
-    """Base class of compression methods. Subclasses are dataclasses whose fields are their parameters.
+class Method(MethodParams):
+    """Base class of compression methods. A method inherits its parameters (dataclass fields, ``name`` and
+    ``scopes``) from its class in ``kvpack.methods.params`` and writes how it scores.
 
     Class attributes:
-        name: the registry name (``--method``).
-        scopes: the values the method's ``budget`` field may take; empty when it has no ``budget`` field.
         fixed_scope: the scope of a method without a ``budget`` field.
         stats_key: the key of ``update_entries``' statistics in the pack's ``metadata["stats"]``.
     """
 
-    name: ClassVar[str] = ""
-    scopes: ClassVar[tuple[str, ...]] = ()
     fixed_scope: ClassVar[str] = "global"
     stats_key: ClassVar[str] = "merge"
-
-    def __post_init__(self):
-        if self.scopes:
-            check_choice(self.name, "budget", getattr(self, "budget", None), self.scopes)
-
-    @classmethod
-    def parameter_names(cls) -> tuple[str, ...]:
-        """The method's parameters (its dataclass fields), in declaration order."""
-        return tuple(f.name for f in fields(cls))
-
-    def params(self) -> dict:
-        """The method's parameters as stored in the pack's metadata."""
-        return asdict(self)
 
     @property
     def scope(self) -> str:
@@ -257,34 +239,3 @@ def gather(prefill: Prefill, keep: torch.Tensor) -> list[LayerEntries]:
         layers.append(LayerEntries(torch.cat(rows_k), torch.cat(rows_v), torch.cat(rows_p),
                                    torch.tensor(lengths, dtype=torch.int64)))
     return layers
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# parameter checks (InputError naming the method and the parameter)
-
-
-def check_int(method: str, field: str, value, low: int) -> None:
-    """Raise ``InputError`` unless ``value`` is an integer ``>= low``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise InputError(f"{method}: {field} must be an integer >= {low}, got {value!r}")
-
-
-def check_float(method: str, field: str, value, low: float, high: float, *, low_open: bool = False) -> None:
-    """Raise ``InputError`` unless ``value`` is a number in ``[low, high]`` (``(low, high]`` if ``low_open``)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value <= high and (
-        value > low if low_open else value >= low)
-    if not ok:
-        raise InputError(f"{method}: {field} must be a number in {'(' if low_open else '['}{low}, {high}], "
-                         f"got {value!r}")
-
-
-def check_choice(method: str, field: str, value, choices: tuple[str, ...]) -> None:
-    """Raise ``InputError`` unless ``value`` is one of ``choices``."""
-    if value not in choices:
-        raise InputError(f"{method}: {field} must be one of {', '.join(choices)}, got {value!r}")
-
-
-def check_bool(method: str, field: str, value) -> None:
-    """Raise ``InputError`` unless ``value`` is ``True`` or ``False``."""
-    if not isinstance(value, bool):
-        raise InputError(f"{method}: {field} must be true or false, got {value!r}")

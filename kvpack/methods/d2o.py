@@ -15,13 +15,11 @@ from ..model import ModelSpec
 from ..pack import LayerEntries
 from ..prefill import Prefill
 from ..stats import AttentionRecorder
-from .base import Method, check_choice, check_float, check_int, context_stats, fit_budgets, top_k_rows
+from .base import Method, context_stats, fit_budgets, top_k_rows
+from .params import D2OParams
 
-__all__ = ["D2O", "MERGE_MODES", "layer_variance", "ema_thresholds", "merge_evicted", "merge_plan", "merge_rows",
+__all__ = ["D2O", "layer_variance", "ema_thresholds", "merge_evicted", "merge_plan", "merge_rows",
            "nearest_kept"]
-
-#: D2O's merge modes: what an evicted entry merged into its nearest kept entry changes.
-MERGE_MODES = ("keys+values", "values", "off")
 
 #: Entries of one block of evicted x kept cosine similarities (64 MB of float32).
 SIM_BLOCK_ELEMENTS = 16 * 2**20
@@ -32,7 +30,7 @@ EMA_BLOCK = 256
 
 
 @dataclass
-class D2O(Method):
+class D2O(D2OParams, Method):
     """Layer budgets from attention density, then per KV head: sinks + recent window + heavy hitters, and the
     evicted entries merged into their most similar kept entry.
 
@@ -64,7 +62,7 @@ class D2O(Method):
 
     Cumulative attention and column sums are recorded chunk by chunk during the one prefill (``kvpack.stats``).
 
-    Parameters:
+    Parameters (declared in ``kvpack.methods.params``):
         sink: attention-sink tokens at the start of the context kept in every head (paper: 4).
         recent_ratio: share ``M / (N + M)`` of the recent window in a head's non-sink budget (paper: 1/4).
         merge: ``"keys+values"`` (default, the paper's), ``"values"`` or ``"off"`` (see above); ``True`` and
@@ -72,21 +70,7 @@ class D2O(Method):
         beta: EMA weight of the merge threshold, in [0, 1] (paper: 0.7).
     """
 
-    name: ClassVar[str] = "d2o"
     fixed_scope: ClassVar[str] = "head"
-    sink: int = 4
-    recent_ratio: float = 0.25
-    merge: str = "keys+values"
-    beta: float = 0.7
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_int(self.name, "sink", self.sink, 0)
-        check_float(self.name, "recent_ratio", self.recent_ratio, 0.0, 1.0)
-        if isinstance(self.merge, bool):  # the earlier boolean option
-            self.merge = "keys+values" if self.merge else "off"
-        check_choice(self.name, "merge", self.merge, MERGE_MODES)
-        check_float(self.name, "beta", self.beta, 0.0, 1.0)
 
     def recorder(self, spec: ModelSpec, tokens: int, device) -> AttentionRecorder:
         return AttentionRecorder(spec, tokens, column_sums=True, device=device)

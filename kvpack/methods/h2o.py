@@ -4,20 +4,21 @@ arXiv 2306.14048, Algorithm 1)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import Callable
 
 import torch
 
 from ..model import ModelSpec
 from ..prefill import Prefill
 from ..stats import AttentionRecorder
-from .base import SCOPES, Method, context_stats
+from .base import Method, context_stats
+from .params import H2OParams
 
 __all__ = ["H2O"]
 
 
 @dataclass
-class H2O(Method):
+class H2O(H2OParams, Method):
     """Score each context entry by the attention it accumulated during the prefill, per visible query.
 
     ``score[l, h, j] = (sum over queries i of p[i, j]) / (tokens - pos_j)``: the column sum of layer ``l``'s
@@ -26,13 +27,9 @@ class H2O(Method):
     seen more often. The query heads of a GQA group are averaged. Recorded chunk by chunk during the one prefill
     (``kvpack.stats``). The paper's recent-token half is not added (see ``streaming`` for recency).
 
-    Parameters:
+    Parameters (declared in ``kvpack.methods.params``):
         budget: top-k scope, ``global`` (non-uniform heads), ``layer`` or ``head`` (paper: per head; default).
     """
-
-    name: ClassVar[str] = "h2o"
-    scopes: ClassVar[tuple[str, ...]] = SCOPES
-    budget: str = "head"
 
     def recorder(self, spec: ModelSpec, tokens: int, device) -> AttentionRecorder:
         return AttentionRecorder(spec, tokens, column_sums=True, device=device)

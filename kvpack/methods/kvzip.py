@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from .. import tasks
-from ..errors import InputError
 from ..attention import use_kvpack_attention
 from ..prefill import Prefill
-from .base import Method, check_choice
-from .kvzip_plus import SCORINGS, plus_weights
+from .base import Method
+from .params import KVzipParams
+from .kvzip_plus import plus_weights
 
 __all__ = ["KVzip"]
 
 
 @dataclass
-class KVzip(Method):
+class KVzip(KVzipParams, Method):
     """Score each cached entry by how much the model needs it to repeat the context.
 
     For each chunk of ``chunk_size`` context tokens the model is teacher-forced on a repeat input, fed after the
@@ -36,23 +36,11 @@ class KVzip(Method):
     ``kvpack.methods.kvzip_plus``). The largest attention
     matrix is ``[heads, 256 queries, sink + 2 x chunk]``, so memory grows linearly with the context.
 
-    Parameters:
+    Parameters (declared in ``kvpack.methods.params``):
         chunk_size: context tokens scored per reconstruction pass (paper: 2048).
         tail_tokens: tokens of the previous chunk quoted in later repeat prompts (paper: 8).
         scoring: ``"attention"`` (default, the paper's Eq. 2) or ``"plus"`` (KVzip+).
     """
-
-    name: ClassVar[str] = "kvzip"
-    chunk_size: int = 2048
-    tail_tokens: int = 8
-    scoring: str = "attention"
-
-    def __post_init__(self):
-        for field, low in (("chunk_size", 1), ("tail_tokens", 0)):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise InputError(f"kvzip: {field} must be an integer >= {low}, got {value!r}")
-        check_choice(self.name, "scoring", self.scoring, SCORINGS)
 
     @torch.inference_mode()
     def score(self, model, tokenizer, prefill: Prefill, progress: Callable[[int], None] | None = None

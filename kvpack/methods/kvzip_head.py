@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, ClassVar
+from typing import Callable
 
 import torch
 
 from ..errors import InputError
 from ..prefill import Prefill
-from .base import Method, check_int
+from .base import Method
+from .params import KVzipHeadParams
 
 __all__ = ["KVzipHead"]
 
 
 @dataclass
-class KVzipHead(Method):
+class KVzipHead(KVzipHeadParams, Method):
     """Keep every context entry of the top ``ratio`` of (compressed layer, KV head) pairs by head score, and only
     the attention sink (plus, with ``window``, the last ``window`` context tokens) in the others.
 
@@ -31,15 +31,12 @@ class KVzipHead(Method):
     system prompt and later queries in dropped heads (README, "Context-independent eviction"); kvpack's sink is
     the chat-template prefix and questions are appended at load time, so the behaviour is the same.
 
-    Parameters:
+    Parameters (declared in ``kvpack.methods.params``):
         heads: path of the head-score file (safetensors; ``kvpack heads ... --out heads.safetensors``); required.
             Checked against the model (fingerprint) before use.
         window: recent context tokens also kept in dropped heads (default 0: the paper's sink only).
     """
 
-    name: ClassVar[str] = "kvzip-head"
-    heads: str | None = None
-    window: int = 0
     _scores: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -51,16 +48,8 @@ class KVzipHead(Method):
             raise InputError("kvzip-head needs head scores: make them once per model with `kvpack heads DOC.txt "
                              "... --model M --out heads.safetensors` (API: kvpack.head_scores + "
                              "kvpack.save_head_scores), then pass --heads heads.safetensors (API: heads=PATH)")
-        if not isinstance(self.heads, (str, Path)):
-            raise InputError(f"kvzip-head: heads must be a file path, got {self.heads!r}")
-        self.heads = str(self.heads)
-        check_int(self.name, "window", self.window, 0)
         self._scores = load_head_scores(self.heads)
         self._sha256 = hashlib.sha256(storage.read_bytes(self.heads)).hexdigest()  # a path or a URL
-
-    @classmethod
-    def parameter_names(cls) -> tuple[str, ...]:
-        return ("heads", "window")
 
     def params(self) -> dict:
         """``heads`` (the path given), ``heads_sha256`` (of the file's bytes) and ``window``."""

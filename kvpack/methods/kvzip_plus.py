@@ -27,10 +27,8 @@ import torch
 from ..errors import UnsupportedModelError
 from ..model import ModelSpec
 
-__all__ = ["SCORINGS", "value_output_norms", "output_gram", "plus_weights"]
+__all__ = ["value_output_norms", "output_gram", "plus_weights"]
 
-#: KVzip's scoring variants: ``attention`` (the paper's) and ``plus`` (KVzip+).
-SCORINGS = ("attention", "plus")
 
 
 def value_output_norms(values: torch.Tensor, o_proj_weight: torch.Tensor, gram: torch.Tensor | None = None

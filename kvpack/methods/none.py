@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import Callable
 
 import torch
 
 from ..prefill import Prefill
 from .base import Method
+from .params import NoCompressionParams
 
 __all__ = ["NoCompression"]
 
 
 @dataclass
-class NoCompression(Method):
+class NoCompression(NoCompressionParams, Method):
     """Keep every entry, whatever ratio is asked: the pack records ratio 1.0. No parameters."""
-
-    name: ClassVar[str] = "none"
 
     def kept_ratio(self, ratio: float) -> float:
         return 1.0

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
 from ..prefill import Prefill
-from .base import check_float, fit_budgets
+from .base import fit_budgets
+from .params import PyramidKVParams
 from .snapkv import SnapKV
 
 __all__ = ["PyramidKV"]
 
 
 @dataclass
-class PyramidKV(SnapKV):
+class PyramidKV(PyramidKVParams, SnapKV):
     """SnapKV's scores (same parameters) with a pyramid of layer budgets: lower layers keep more.
 
     With ``L`` compressed layers and a total budget ``T`` (entries), the top layer gets ``k_top = T / (beta L)``,
@@ -24,19 +24,11 @@ class PyramidKV(SnapKV):
     to ``T`` exactly (``fit_budgets``). Within a layer, the budget is split per KV head (``head``, the paper) or
     taken over the layer's heads together (``layer``).
 
-    Parameters:
+    Parameters (declared in ``kvpack.methods.params``):
         beta: steepness, >= 1; 1 gives equal layers (paper: 20).
         window, kernel, pooling, question: as for ``snapkv``.
         budget: ``layer`` or ``head`` (default).
     """
-
-    name: ClassVar[str] = "pyramidkv"
-    scopes: ClassVar[tuple[str, ...]] = ("layer", "head")
-    beta: float = 20.0
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_float(self.name, "beta", self.beta, 1.0, float("inf"))
 
     def layer_budgets(self, prefill: Prefill | None, scores: torch.Tensor, total: int) -> torch.Tensor:
         layers, heads, n = scores.shape

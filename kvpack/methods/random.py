@@ -3,35 +3,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import Callable
 
 import torch
 
 from ..prefill import Prefill
-from .base import SCOPES, Method, check_int
+from .base import Method
+from .params import RandomScoresParams
 
 __all__ = ["RandomScores"]
 
 
 @dataclass
-class RandomScores(Method):
+class RandomScores(RandomScoresParams, Method):
     """Score every context entry uniformly at random (seeded: the same text gives the same pack).
 
     The usual baseline of KV-cache eviction studies (e.g. kvpress's ``random`` press).
 
-    Parameters:
+    Parameters (declared in ``kvpack.methods.params``):
         seed: seed of the CPU random generator (default 0).
         budget: top-k scope, ``global``, ``layer`` or ``head`` (default ``head``).
     """
-
-    name: ClassVar[str] = "random"
-    scopes: ClassVar[tuple[str, ...]] = SCOPES
-    seed: int = 0
-    budget: str = "head"
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_int(self.name, "seed", self.seed, 0)
 
     def score(self, model, tokenizer, prefill: Prefill, progress: Callable[[int], None] | None = None
               ) -> torch.Tensor:

@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from ..errors import InputError
 from ..model import ModelSpec
 from ..prefill import Prefill
 from ..stats import AttentionRecorder
-from .base import SCOPES, Method, check_choice, check_int, context_stats
+from .base import Method, context_stats
+from .params import SnapKVParams
 
 __all__ = ["SnapKV"]
 
 
 @dataclass
-class SnapKV(Method):
+class SnapKV(SnapKVParams, Method):
     """Score each context entry by the attention the observation window pays it, pooled over neighbours.
 
     The observation window is the last ``window`` context tokens (query-agnostic) or, when ``question`` is given,
@@ -29,31 +29,13 @@ class SnapKV(Method):
     counted in the budget), as in the paper. The window's attention is recorded during the one prefill, from the
     chunk(s) holding the window's queries only.
 
-    Parameters:
+    Parameters (declared in ``kvpack.methods.params``):
         window: observation-window tokens (official code: 64; ignored when ``question`` is given).
         kernel: pooling width in tokens, odd (official code: 5).
         pooling: ``avg`` or ``max`` (official code: ``avg``).
         question: a question to observe instead of the context's tail (default ``None``).
         budget: top-k scope, ``global``, ``layer`` or ``head`` (paper: per head; default).
     """
-
-    name: ClassVar[str] = "snapkv"
-    scopes: ClassVar[tuple[str, ...]] = SCOPES
-    window: int = 64
-    kernel: int = 5
-    pooling: str = "avg"
-    question: str | None = None
-    budget: str = "head"
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_int(self.name, "window", self.window, 1)
-        check_int(self.name, "kernel", self.kernel, 1)
-        if self.kernel % 2 == 0:
-            raise InputError(f"{self.name}: kernel must be odd (the pooling keeps the length), got {self.kernel}")
-        check_choice(self.name, "pooling", self.pooling, ("avg", "max"))
-        if self.question is not None and (not isinstance(self.question, str) or not self.question.strip()):
-            raise InputError(f"{self.name}: question must be a non-empty string or None, got {self.question!r}")
 
     def recorder(self, spec: ModelSpec, tokens: int, device) -> AttentionRecorder:
         start = tokens if self.question is not None else max(0, tokens - self.window)

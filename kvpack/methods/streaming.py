@@ -8,13 +8,14 @@ from typing import Callable, ClassVar
 import torch
 
 from ..prefill import Prefill
-from .base import Method, check_int
+from .base import Method
+from .params import StreamingLLMParams
 
 __all__ = ["StreamingLLM"]
 
 
 @dataclass
-class StreamingLLM(Method):
+class StreamingLLM(StreamingLLMParams, Method):
     """Keep the first ``sink`` context tokens and the most recent ones, the same positions in every head.
 
     Score of context token ``j`` (0 = first token after the chat-template prefix): ``+inf`` for ``j < sink``,
@@ -22,17 +23,11 @@ class StreamingLLM(Method):
     template prefix is kvpack's own attention sink and is always kept on top; ``sink`` counts tokens from the
     start of the context. The budget is split evenly over layers and KV heads (scope ``head``, fixed).
 
-    Parameters:
+    Parameters (declared in ``kvpack.methods.params``):
         sink: attention-sink tokens kept at the start of the context (paper: 4, §3.2).
     """
 
-    name: ClassVar[str] = "streaming"
     fixed_scope: ClassVar[str] = "head"
-    sink: int = 4
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_int(self.name, "sink", self.sink, 0)
 
     def score(self, model, tokenizer, prefill: Prefill, progress: Callable[[int], None] | None = None
               ) -> torch.Tensor:

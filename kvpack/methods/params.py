@@ -1,0 +1,453 @@
+"""Every compression method's parameters, once: typed dataclass fields with their defaults, checks and help.
+
+A method's parameters are the fields of its ``...Params`` dataclass here; the method itself (``kvpack.methods.d2o``
+and its neighbours: the scoring, which needs torch) inherits them. Everything that only needs to know a method's
+parameters reads this module, which imports neither torch nor the methods:
+
+- ``kvpack build``'s method options (``--sink``, ``--score``, ...) are made from the fields declared with
+  ``option(...)`` (``command_line_options``; the flag is ``--`` + the field name with ``-`` for ``_``, unless
+  ``option`` names another);
+- ``kvpack bench --methods NAME[key=value;...]`` takes every parameter by its field name, each value read as the
+  field's type (``parse_value``);
+- ``kvpack ls`` names the parameters that differ from the defaults, and a build completes an older pack's recorded
+  parameters with them.
+
+So a new option is one field: ``window: int = option(64, "observation window in tokens", low=0)`` makes the
+parameter, its default, the ``--window`` flag and its help, and ``NAME[window=...]``; its check goes in the class's
+``__post_init__`` (a bad value raises ``InputError`` naming the method and the parameter). A field declared without
+``option`` (``chunk_size = 2048``) is a parameter of the API and of ``--methods`` specs, not a ``build`` flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ..errors import InputError
+
+__all__ = ["Option", "option", "MethodParams", "PARAMS", "CommandLineOption", "command_line_options",
+           "parameter_types", "parse_value", "SCOPES", "SCORINGS", "MERGE_MODES", "SELECTIONS", "VALUE_MODES",
+           "REFERENCES", "SHIFTS", "RIDGE_TARGETS", "check_int", "check_float", "check_choice", "check_bool"]
+
+#: The top-k scopes of ``Method.select`` (``budget``): one top-k over everything, per layer, per KV head.
+SCOPES = ("global", "layer", "head")
+#: KVzip's scoring variants (``scoring``): ``attention`` (the paper's) and ``plus`` (KVzip+, ``kvzip_plus``).
+SCORINGS = ("attention", "plus")
+#: What D2O's merge changes (``merge``): keys and values (the paper's), values only, or nothing (eviction alone).
+MERGE_MODES = ("keys+values", "values", "off")
+#: Attention Matching's within-head selections (``selection``) and value modes (``values``).
+SELECTIONS = ("kvzip", "rms")
+VALUE_MODES = ("fit", "copy", "merge")
+#: Sources of Attention Matching's reference queries (``reference``): KVzip's repeat pass, sampled
+#: self-continuations, or both.
+REFERENCES = ("repeat", "continue", "both")
+#: Per-query shifts of Attention Matching's mass matching (``shift``; ``am_fit``'s module docstring).
+SHIFTS = ("lse", "max")
+#: What Attention Matching's values ridge shrinks them toward (``ridge_to``): zero (a plain ridge) or the selected
+#: entries' own values.
+RIDGE_TARGETS = ("zero", "selected")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# declaring a parameter
+
+
+@dataclass(frozen=True)
+class Option:
+    """How a method parameter appears as a ``kvpack build`` option.
+
+    Attributes:
+        help: what the parameter does, for ``build --help`` (the default is added there).
+        flag: the option's name [default: ``--`` + the field name, ``_`` written ``-``].
+        choices: the values the argument parser accepts (``click.Choice``); the method's own check may take fewer.
+        low, high: bounds the argument parser enforces (exit status 2); bounds left to the method's
+            ``__post_init__`` give its ``InputError`` (exit status 1) instead.
+        metavar: the value's placeholder in the help (``FILE``, ``TEXT``).
+    """
+
+    help: str
+    flag: str | None = None
+    choices: tuple[str, ...] | None = None
+    low: float | None = None
+    high: float | None = None
+    metavar: str | None = None
+
+
+def option(default: Any, help: str, **how) -> Any:
+    """A dataclass field holding a method parameter that is also a ``kvpack build`` option: ``default`` is the
+    parameter's default, ``help`` and ``how`` (``flag``, ``choices``, ``low``, ``high``, ``metavar``) as
+    ``Option``. Use it as the field's default: ``sink: int = option(4, "attention-sink tokens ...", low=0)``."""
+    return field(default=default, metadata={"option": Option(help, **how)})
+
+
+@dataclass
+class MethodParams:
+    """Base of the parameter classes: the fields of a subclass are a method's parameters.
+
+    Class attributes:
+        name: the method's registry name (``--method``).
+        scopes: the values the method's ``budget`` field may take; empty when it has no ``budget`` field.
+    """
+
+    name: ClassVar[str] = ""
+    scopes: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self):
+        if self.scopes:
+            check_choice(self.name, "budget", getattr(self, "budget", None), self.scopes)
+
+    @classmethod
+    def parameter_names(cls) -> tuple[str, ...]:
+        """The method's parameters (its dataclass fields that ``__init__`` takes), in declaration order."""
+        return tuple(f.name for f in fields(cls) if f.init)
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """``{parameter: default}`` of every parameter, read from the fields: nothing is instantiated."""
+        return {f.name: f.default for f in fields(cls) if f.init and f.default is not dataclasses.MISSING}
+
+    def params(self) -> dict:
+        """The method's parameters as stored in the pack's metadata."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+
+
+def _budget(choices: tuple[str, ...] = SCOPES) -> Any:
+    return option("head", "scope of the top-k; global gives heads non-uniform budgets", choices=choices)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the methods' parameters (the methods themselves: kvpack.methods.<name>)
+
+
+@dataclass
+class KVzipParams(MethodParams):
+    """``kvzip`` (``kvpack.methods.kvzip.KVzip``)."""
+
+    name: ClassVar[str] = "kvzip"
+    chunk_size: int = 2048  # build's --chunk-size, a build setting
+    tail_tokens: int = 8
+    scoring: str = option("attention", "attention (the paper's) or plus (KVzip+: each probability weighted by the "
+                                       "entry's output norm relative to the query's hidden state, as kvpress's "
+                                       "KVzipPress)", flag="--score", choices=SCORINGS)
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int(self.name, "chunk_size", self.chunk_size, 1)
+        check_int(self.name, "tail_tokens", self.tail_tokens, 0)
+        check_choice(self.name, "scoring", self.scoring, SCORINGS)
+
+
+@dataclass
+class KVzipHeadParams(MethodParams):
+    """``kvzip-head`` (``kvpack.methods.kvzip_head.KVzipHead``, which also requires ``heads``)."""
+
+    name: ClassVar[str] = "kvzip-head"
+    heads: str | None = option(None, "the model's head scores (made once by `kvpack heads`); required",
+                               metavar="FILE")
+    window: int = option(0, "recent context tokens also kept in dropped heads", low=0)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.heads is not None:
+            if not isinstance(self.heads, (str, Path)):
+                raise InputError(f"kvzip-head: heads must be a file path, got {self.heads!r}")
+            self.heads = str(self.heads)
+        check_int(self.name, "window", self.window, 0)
+
+
+@dataclass
+class AttentionMatchingParams(KVzipParams):
+    """``am`` (``kvpack.methods.am.AttentionMatching``); KVzip's parameters drive its selection."""
+
+    name: ClassVar[str] = "am"
+    selection: str = option("kvzip", "keys kept within a head, by KVzip's score or RMS attention", flag="--select",
+                            choices=SELECTIONS)
+    values: str = option("fit", "kept values fitted by least squares, copied, or D2O-merged", choices=VALUE_MODES)
+    queries: int = option(4096, "reference queries per KV head", low=16)
+    on_policy: bool = option(False, "recompute each layer's queries with the earlier layers compacted")
+    held_out_check: bool = True
+    shift: str = "lse"
+    reference: str = option("repeat", "reference queries from KVzip's repeat pass, from 512 tokens the model "
+                                      "samples after the context (slower: a decode step each), or both",
+                            choices=REFERENCES)
+    continue_tokens: int = 512
+    ridge: float = option(0.0, "ridge of the values' least squares, as a share of the mean diagonal of the normal "
+                               "equations (e.g. 0.001); 0 is the paper's plain least squares", low=0.0, high=1.0)
+    ridge_to: str = option("zero", "what --ridge shrinks the fitted values toward: zero, or the kept entries' own "
+                                   "values (the larger the ridge, the closer to --values copy)",
+                           choices=RIDGE_TARGETS)
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_choice(self.name, "selection", self.selection, SELECTIONS)
+        check_choice(self.name, "values", self.values, VALUE_MODES)
+        check_int(self.name, "queries", self.queries, 16)
+        check_bool(self.name, "on_policy", self.on_policy)
+        check_bool(self.name, "held_out_check", self.held_out_check)
+        check_choice(self.name, "shift", self.shift, SHIFTS)
+        check_choice(self.name, "reference", self.reference, REFERENCES)
+        check_int(self.name, "continue_tokens", self.continue_tokens, 1)
+        check_float(self.name, "ridge", self.ridge, 0.0, 1.0)
+        self.ridge = float(self.ridge)
+        check_choice(self.name, "ridge_to", self.ridge_to, RIDGE_TARGETS)
+        if self.ridge_to != "zero" and self.ridge == 0:
+            raise InputError(f"am: --ridge-to {self.ridge_to} (ridge_to={self.ridge_to!r}) shrinks the fitted values "
+                             "through the ridge, which is 0; give --ridge too (e.g. --ridge 1)")
+        if self.on_policy and self.reference != "repeat":
+            raise InputError(f"am: --on-policy (on_policy) recomputes the repeat pass's queries and cannot be combined "
+                             f"with --reference {self.reference} (reference={self.reference!r}); use --reference "
+                             "repeat with it, or drop --on-policy")
+
+
+@dataclass
+class D2OParams(MethodParams):
+    """``d2o`` (``kvpack.methods.d2o.D2O``)."""
+
+    name: ClassVar[str] = "d2o"
+    sink: int = option(4, "attention-sink tokens kept at the start of the context", low=0)
+    recent_ratio: float = option(0.25, "recent window's share of a head's non-sink budget, M/(N+M) (0.25: N:M=3:1)")
+    merge: str = option("keys+values", "what merging evicted entries into their nearest kept one changes: "
+                                       "keys+values (the paper's), values only (kept keys stay as prefilled), or off "
+                                       "(eviction alone)", choices=MERGE_MODES)
+    beta: float = option(0.7, "EMA weight of the merge threshold, in [0, 1]")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int(self.name, "sink", self.sink, 0)
+        check_float(self.name, "recent_ratio", self.recent_ratio, 0.0, 1.0)
+        if isinstance(self.merge, bool):  # the earlier boolean option
+            self.merge = "keys+values" if self.merge else "off"
+        check_choice(self.name, "merge", self.merge, MERGE_MODES)
+        check_float(self.name, "beta", self.beta, 0.0, 1.0)
+
+
+@dataclass
+class StreamingLLMParams(MethodParams):
+    """``streaming`` (``kvpack.methods.streaming.StreamingLLM``)."""
+
+    name: ClassVar[str] = "streaming"
+    sink: int = option(4, "attention-sink tokens kept at the start of the context", low=0)
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int(self.name, "sink", self.sink, 0)
+
+
+@dataclass
+class H2OParams(MethodParams):
+    """``h2o`` (``kvpack.methods.h2o.H2O``)."""
+
+    name: ClassVar[str] = "h2o"
+    scopes: ClassVar[tuple[str, ...]] = SCOPES
+    budget: str = _budget()
+
+
+@dataclass
+class SnapKVParams(MethodParams):
+    """``snapkv`` (``kvpack.methods.snapkv.SnapKV``)."""
+
+    name: ClassVar[str] = "snapkv"
+    scopes: ClassVar[tuple[str, ...]] = SCOPES
+    window: int = option(64, "observation window in tokens (the context's last ones)", low=0)
+    kernel: int = 5
+    pooling: str = "avg"
+    question: str | None = option(None, "observe this question instead of the context's tail (query-aware)",
+                                  metavar="TEXT")
+    budget: str = _budget()
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int(self.name, "window", self.window, 1)
+        check_int(self.name, "kernel", self.kernel, 1)
+        if self.kernel % 2 == 0:
+            raise InputError(f"{self.name}: kernel must be odd (the pooling keeps the length), got {self.kernel}")
+        check_choice(self.name, "pooling", self.pooling, ("avg", "max"))
+        if self.question is not None and (not isinstance(self.question, str) or not self.question.strip()):
+            raise InputError(f"{self.name}: question must be a non-empty string or None, got {self.question!r}")
+
+
+@dataclass
+class PyramidKVParams(SnapKVParams):
+    """``pyramidkv`` (``kvpack.methods.pyramidkv.PyramidKV``): SnapKV's parameters and a pyramid's steepness."""
+
+    name: ClassVar[str] = "pyramidkv"
+    scopes: ClassVar[tuple[str, ...]] = ("layer", "head")
+    budget: str = _budget(("layer", "head"))
+    beta: float = option(20.0, "pyramid steepness, >= 1 (1: equal layers)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_float(self.name, "beta", self.beta, 1.0, float("inf"))
+
+
+@dataclass
+class KNormParams(MethodParams):
+    """``knorm`` (``kvpack.methods.knorm.KNorm``)."""
+
+    name: ClassVar[str] = "knorm"
+    scopes: ClassVar[tuple[str, ...]] = SCOPES
+    budget: str = _budget()
+
+
+@dataclass
+class RandomScoresParams(MethodParams):
+    """``random`` (``kvpack.methods.random.RandomScores``)."""
+
+    name: ClassVar[str] = "random"
+    scopes: ClassVar[tuple[str, ...]] = SCOPES
+    seed: int = option(0, "seed of the random scores")
+    budget: str = _budget()
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int(self.name, "seed", self.seed, 0)
+
+
+@dataclass
+class NoCompressionParams(MethodParams):
+    """``none`` (``kvpack.methods.none.NoCompression``): no parameters."""
+
+    name: ClassVar[str] = "none"
+
+
+#: Method name -> its parameters, in the order of ``kvpack.methods.METHODS``.
+PARAMS: dict[str, type[MethodParams]] = {cls.name: cls for cls in (
+    KVzipParams, KVzipHeadParams, AttentionMatchingParams, D2OParams, StreamingLLMParams, H2OParams, SnapKVParams,
+    PyramidKVParams, KNormParams, RandomScoresParams, NoCompressionParams)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reading the declarations: command-line options and spec values
+
+
+@dataclass(frozen=True)
+class CommandLineOption:
+    """One ``kvpack build`` method option, shared by the methods that have a parameter of that flag.
+
+    Attributes:
+        flag: ``--sink``.
+        param: the parameter (field) name, ``sink``.
+        type: ``int``, ``float``, ``bool`` (a flag without a value) or ``str``.
+        choices: the values the parser accepts (the union over the methods), or ``None``.
+        low, high: the bounds the parser enforces, or ``None``.
+        metavar: the value's placeholder, or ``None``.
+        uses: ``(method name, help, default, choices)`` for each method taking it, in registry order.
+    """
+
+    flag: str
+    param: str
+    type: type
+    choices: tuple[str, ...] | None
+    low: float | None
+    high: float | None
+    metavar: str | None
+    uses: tuple[tuple[str, str, Any, tuple[str, ...] | None], ...]
+
+
+def parameter_types(cls: type[MethodParams]) -> dict[str, type]:
+    """``{parameter: int | float | bool | str}`` from the fields' annotations (``str | None`` gives ``str``).
+
+    Raises:
+        TypeError: a parameter of another type (a programming error: parameters are scalars stored as JSON).
+    """
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for name in cls.parameter_names():
+        hint = hints[name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+        if len(args) != 1 or args[0] not in (int, float, bool, str):
+            raise TypeError(f"{cls.__name__}.{name}: a method parameter must be int, float, bool or str "
+                            f"(optionally | None), not {hint}")
+        out[name] = args[0]
+    return out
+
+
+def command_line_options(params: dict[str, type[MethodParams]] | None = None) -> list[CommandLineOption]:
+    """The ``kvpack build`` method options: one per flag declared with ``option`` (module docstring), in the order
+    the methods (``PARAMS``) and their fields first declare them.
+
+    Raises:
+        TypeError: two methods declare one flag with another parameter, type or parser bounds (a programming
+            error, caught by the tests).
+    """
+    found: dict[str, dict] = {}
+    for method, cls in (params or PARAMS).items():
+        types = parameter_types(cls)
+        for f in fields(cls):
+            opt = f.metadata.get("option")
+            if opt is None or not f.init:
+                continue
+            flag = opt.flag or "--" + f.name.replace("_", "-")
+            shape = (f.name, types[f.name], opt.low, opt.high, opt.metavar)
+            entry = found.setdefault(flag, {"shape": shape, "choices": [], "uses": []})
+            if entry["shape"] != shape:
+                raise TypeError(f"{flag}: {method}.{f.name} is declared as {shape}, another method as "
+                                f"{entry['shape']} (name, type, low, high, metavar)")
+            entry["choices"] += [c for c in opt.choices or () if c not in entry["choices"]]
+            entry["uses"].append((method, opt.help, f.default, opt.choices))
+    return [CommandLineOption(flag, e["shape"][0], e["shape"][1], tuple(e["choices"]) or None, e["shape"][2],
+                              e["shape"][3], e["shape"][4], tuple(e["uses"])) for flag, e in found.items()]
+
+
+def parse_value(method: str, key: str, text: str) -> Any:
+    """``text`` (a ``NAME[key=value]`` spec's value) as the type of ``method``'s parameter ``key``: ``int``,
+    ``float``, ``true``/``false`` for ``bool``, ``str`` as it is. A key the method does not have is read as an
+    integer, a float, a boolean or a string, whichever fits first (``get_method`` then names the parameters it
+    takes).
+
+    Raises:
+        InputError: unknown method, or a value that is not of the parameter's type.
+    """
+    if method not in PARAMS:
+        raise InputError(f"unknown method {method!r}; choose from: {', '.join(sorted(PARAMS))}")
+    kind = parameter_types(PARAMS[method]).get(key)
+    if kind is str:
+        return text
+    if kind is bool or kind is None:
+        flag = {"true": True, "false": False}.get(text.lower())
+        if flag is not None or kind is bool:
+            if flag is None:
+                raise InputError(f"{method}: {key} must be true or false, got {text!r}")
+            return flag
+    for k in ((kind,) if kind is not None else (int, float)):
+        try:
+            return k(text)
+        except ValueError:
+            if kind is not None:
+                raise InputError(f"{method}: {key} must be {'an integer' if kind is int else 'a number'}, "
+                                 f"got {text!r}") from None
+    return text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# parameter checks (InputError naming the method and the parameter)
+
+
+def check_int(method: str, field: str, value, low: int) -> None:
+    """Raise ``InputError`` unless ``value`` is an integer ``>= low``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise InputError(f"{method}: {field} must be an integer >= {low}, got {value!r}")
+
+
+def check_float(method: str, field: str, value, low: float, high: float, *, low_open: bool = False) -> None:
+    """Raise ``InputError`` unless ``value`` is a number in ``[low, high]`` (``(low, high]`` if ``low_open``)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value <= high and (
+        value > low if low_open else value >= low)
+    if not ok:
+        raise InputError(f"{method}: {field} must be a number in {'(' if low_open else '['}{low}, {high}], "
+                         f"got {value!r}")
+
+
+def check_choice(method: str, field: str, value, choices: tuple[str, ...]) -> None:
+    """Raise ``InputError`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise InputError(f"{method}: {field} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def check_bool(method: str, field: str, value) -> None:
+    """Raise ``InputError`` unless ``value`` is ``True`` or ``False``."""
+    if not isinstance(value, bool):
+        raise InputError(f"{method}: {field} must be true or false, got {value!r}")
