@@ -26,12 +26,12 @@ from .build import build_settings, check_compatible, default_out_dir, discover_c
 from .build import summary as build_summary
 from .compress import DEFAULT_CHUNK_SIZE, DEFAULT_RATIO
 from .errors import InputError, KvpackError
-from .fileformat import load_pack
+from .fileformat import fetched, read_header, read_index
 from .generation import answer
 from .listing import describe_pack, info_text, list_packs, method_label, verify_report
 from .listing import json_text, printable, table as _table
 from .compact_cache import DEQUANTIZE
-from .loading import cache_from_pack, check_kv_range
+from .loading import check_kv_range, load, parse_size
 from .methods import METHODS
 from .methods.params import SCORINGS, command_line_options
 from .model import REFERENCE_MODEL_NAME, load_model, model_for_pack, model_identity
@@ -308,8 +308,8 @@ def info(files, as_json, storage_option):
     for i, file in enumerate(files):
         try:
             if as_json:
-                load_pack(file, storage_options=so)  # validates the whole file
-                rows.append({**describe_pack(file, storage_options=so), "error": None})
+                header, _ = read_index(file, storage_options=so)  # the header and index tensors only
+                rows.append({**describe_pack(file, header, storage_options=so), "error": None})
             else:
                 click.echo(("\n" if i else "") + f"== {file}")
                 click.echo(info_text(file, storage_options=so))
@@ -431,21 +431,26 @@ def ls(folder, as_json, storage_option):
               help="For a --quant pack: dequantize its rows once at load, or keep the codes in memory (about 3x "
                    "less than bf16 rows at int4) and read them in the CUDA decode kernel (on CPU: slow, every step "
                    "dequantizes). An unquantized pack loads the same either way.")
+@click.option("--max-memory", default=None, metavar="SIZE",
+              help="Refuse a pack whose load would allocate more than SIZE (bytes, or 512MiB, 8GiB, 2G, ...), "
+                   "checked from its header before anything is decoded [default: the memory available].")
 @_threads_option
 @_model_options
 @_storage_options
-def ask(file, questions, model_name, max_new_tokens, temperature, seed, as_json, dequantize, threads, device, dtype,
-        storage_option):
+def ask(file, questions, model_name, max_new_tokens, temperature, seed, as_json, dequantize, max_memory, threads,
+        device, dtype, storage_option):
     """Answer each QUESTION about the document compressed in FILE, from one load, printing each as answered.
 
     A QUESTION of - reads questions from stdin, one per line (blank lines skipped).
     """
     t0 = time.perf_counter()
-    pack = load_pack(file, storage_options=storage.parse_storage_options(storage_option))  # by range for a URL
-    name = model_name if model_name is not None else model_for_pack(pack.metadata, where=str(file))
-    _set_threads(threads)
-    model, tokenizer = _load(name, device, dtype)
-    cache = cache_from_pack(pack, model, tokenizer, where=str(file), dequantize=dequantize)
+    max_bytes = parse_size(max_memory, "--max-memory") if max_memory is not None else None
+    with fetched(file, storage.parse_storage_options(storage_option)) as source:  # a URL: one request
+        header = read_header(source)  # which model, before loading it
+        name = model_name if model_name is not None else model_for_pack(header.metadata, where=str(file))
+        _set_threads(threads)
+        model, tokenizer = _load(name, device, dtype)
+        cache = load(source, model, tokenizer=tokenizer, dequantize=dequantize, max_bytes=max_bytes)
     load_seconds = time.perf_counter() - t0
     several = len(questions) > 1 or "-" in questions
     for question in _questions(questions):

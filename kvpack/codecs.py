@@ -9,14 +9,15 @@ Every size is checked before anything is allocated from it; a damaged or hostile
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import zstandard
 
 from . import constants as C
 
-__all__ = ["CodecError", "writer_filter", "allowed_filters", "encode", "decode_zstd", "MAX_WINDOW_BYTES"]
+__all__ = ["CodecError", "writer_filter", "allowed_filters", "encode", "decode_zstd", "iter_decoded",
+           "MAX_WINDOW_BYTES"]
 
 #: Largest zstd window a reader allocates (2^27: what level 22, the highest the writer uses, asks for).
 MAX_WINDOW_BYTES = 1 << 27
@@ -76,26 +77,7 @@ def decode_zstd(read: Callable[[int, int], bytes], stored: int, raw: int, filt: 
     Raises:
         CodecError: naming what is wrong with the frame.
     """
-    if stored < len(C.ZSTD_FRAME_MAGIC) or read(0, len(C.ZSTD_FRAME_MAGIC)) != C.ZSTD_FRAME_MAGIC:
-        raise CodecError("its stored bytes do not start a zstd frame")
-    head = read(0, min(stored, 18))  # a frame header is at most 18 bytes
-    try:
-        params = zstandard.get_frame_parameters(head)
-        header_size = zstandard.frame_header_size(head)
-    except zstandard.ZstdError as exc:
-        raise CodecError(f"its zstd frame header is damaged ({str(exc)[:120]})") from None
-    if params.content_size in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR):
-        raise CodecError("its zstd frame does not declare its decompressed size")
-    if params.content_size != raw:
-        raise CodecError(f"its zstd frame declares {params.content_size} decompressed bytes, but the header says {raw}")
-    if params.dict_id:
-        raise CodecError("its zstd frame needs a dictionary, which kvpack files never use")
-    end = _frame_end(read, stored, header_size, bool(head[4] & 4))
-    if end != stored:
-        raise CodecError(f"its zstd frame ends after {end} of its {stored} stored bytes")
-    window = min(MAX_WINDOW_BYTES, 1 << max(10, (raw - 1).bit_length()))
-    reader = zstandard.ZstdDecompressor(max_window_size=window).stream_reader(
-        _RangeFile(read, stored), read_size=min(C.READ_CHUNK_BYTES, max(stored, 1)), read_across_frames=False)
+    reader = _frame_reader(read, stored, raw)
     chunk = np.empty(min(C.READ_CHUNK_BYTES, raw), dtype=np.uint8)
     elements = raw // itemsize
     planes = out.reshape(elements, itemsize) if out is not None and filt != C.FILTER_NONE else None
@@ -118,6 +100,101 @@ def decode_zstd(read: Callable[[int, int], bytes], stored: int, raw: int, filt: 
     if out is not None and filt == C.FILTER_DELTA_SHUFFLE:
         deltas = out.view(np.uint32)
         np.cumsum(deltas, dtype=np.uint32, out=deltas)  # wraps modulo 2**32, as the int32 encoder did
+
+
+def iter_decoded(read: Callable[[int, int], bytes], stored: int, raw: int, filt: str, itemsize: int,
+                 chunk_elements: int) -> Iterator[tuple[int, np.ndarray]]:
+    """Decode one stored zstd frame (checked as ``decode_zstd`` checks it) and yield the tensor's raw little-endian
+    bytes in element order, ``(first element, uint8 [m * itemsize])`` with ``m <= chunk_elements``, never holding
+    the whole tensor: the caller casts and places each chunk (the buffer is reused: consume it before the next).
+
+    With a byte filter, byte ``j`` of element ``i`` lies at offset ``j * n + i`` of the decoded stream (``n``
+    elements), so one stream reader per byte plane fills column ``j`` of each chunk; reader ``j`` first decodes and
+    drops ``j * n`` bytes: ``k (k + 1) / 2`` planes decoded for ``k``-byte elements instead of ``k`` (1.5x the work
+    for 2-byte elements, 2.5x for 4-byte ones), for memory bounded by ``k`` zstd windows (each at most
+    ``min(next power of two >= raw, MAX_WINDOW_BYTES)``) and one chunk. The last reader runs to the frame's end,
+    so zstd's content checksum is checked. ``delta_shuffle`` is undone with a running wrapping prefix sum.
+
+    Raises:
+        CodecError: naming what is wrong with the frame (before the first chunk, or while decoding).
+    """
+    readers = [_frame_reader(read, stored, raw)]
+    n = raw // itemsize
+    k = 1 if filt == C.FILTER_NONE else itemsize
+    readers += [_stream(read, stored, raw) for _ in range(1, k)]
+    step = max(1, min(n, chunk_elements))
+    out = np.empty(step * itemsize, dtype=np.uint8)
+    planes = np.empty((k, step), dtype=np.uint8) if k > 1 else None
+    carry = np.zeros(1, dtype=np.uint32)
+    try:
+        for j in range(1, k):
+            _fill(readers[j], None, j * n, raw)
+        for at in range(0, n, step):
+            m = min(step, n - at)
+            if planes is None:
+                _fill(readers[0], out[: m * itemsize], m * itemsize, raw)
+            else:
+                for j in range(k):
+                    _fill(readers[j], planes[j, :m], m, raw)
+                np.copyto(out[: m * itemsize].reshape(m, k), planes[:, :m].T)
+                if filt == C.FILTER_DELTA_SHUFFLE:
+                    v = out[: m * itemsize].view(np.uint32)
+                    np.cumsum(v, dtype=np.uint32, out=v)
+                    v += carry  # uint32: wraps modulo 2**32, as the int32 encoder did
+                    carry[0] = v[-1]
+            yield at, out[: m * itemsize]
+        if readers[-1].read(1):  # also makes zstd reach the frame end and check its content checksum
+            raise CodecError(f"its zstd frame decompresses to more than {raw} bytes")
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"its zstd frame is damaged ({str(exc)[:120]})") from None
+
+
+def _fill(reader, view: np.ndarray | None, n: int, raw: int) -> None:
+    """Read exactly ``n`` decoded bytes from ``reader`` into ``view`` (or drop them, ``view`` None, in bounded
+    pieces). Raises ``CodecError`` if the frame ends first."""
+    scratch = np.empty(min(n, C.READ_CHUNK_BYTES), dtype=np.uint8) if view is None else None
+    got = 0
+    while got < n:
+        target = view[got:n] if view is not None else scratch[: min(len(scratch), n - got)]
+        r = reader.readinto(memoryview(target))
+        if r == 0:
+            raise CodecError(f"its zstd frame decompressed to fewer than its {raw} declared bytes")
+        got += r
+
+
+def _frame_reader(read: Callable[[int, int], bytes], stored: int, raw: int):
+    """A ``zstandard`` stream reader over the one frame of ``stored`` bytes, after checking it as ``decode_zstd``
+    says (magic, header, declared size ``raw``, no dictionary, blocks ending at ``stored``). Raises ``CodecError``."""
+    if stored < len(C.ZSTD_FRAME_MAGIC) or read(0, len(C.ZSTD_FRAME_MAGIC)) != C.ZSTD_FRAME_MAGIC:
+        raise CodecError("its stored bytes do not start a zstd frame")
+    head = read(0, min(stored, 18))  # a frame header is at most 18 bytes
+    try:
+        params = zstandard.get_frame_parameters(head)
+        header_size = zstandard.frame_header_size(head)
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"its zstd frame header is damaged ({str(exc)[:120]})") from None
+    if params.content_size in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR):
+        raise CodecError("its zstd frame does not declare its decompressed size")
+    if params.content_size != raw:
+        raise CodecError(f"its zstd frame declares {params.content_size} decompressed bytes, but the header says {raw}")
+    if params.dict_id:
+        raise CodecError("its zstd frame needs a dictionary, which kvpack files never use")
+    end = _frame_end(read, stored, header_size, bool(head[4] & 4))
+    if end != stored:
+        raise CodecError(f"its zstd frame ends after {end} of its {stored} stored bytes")
+    return _stream(read, stored, raw)
+
+
+def _stream(read: Callable[[int, int], bytes], stored: int, raw: int):
+    """A stream reader over the (checked) frame, its window capped at ``min(next power of two >= raw,
+    MAX_WINDOW_BYTES)``, reading the stored bytes ``_STREAM_READ_BYTES`` at a time."""
+    window = min(MAX_WINDOW_BYTES, 1 << max(10, (raw - 1).bit_length()))
+    return zstandard.ZstdDecompressor(max_window_size=window).stream_reader(
+        _RangeFile(read, stored), read_size=min(_STREAM_READ_BYTES, max(stored, 1)), read_across_frames=False)
+
+
+#: Stored bytes a stream reader takes at a time (its input buffer; ``iter_decoded`` runs one reader per byte plane).
+_STREAM_READ_BYTES = 1 << 20
 
 
 def _scatter(planes: np.ndarray, data: np.ndarray, start: int, elements: int) -> None:

@@ -25,13 +25,14 @@ import numpy as np
 import xxhash
 
 from . import constants as C
-from .codecs import CodecError, allowed_filters, decode_zstd
+from .codecs import CodecError, allowed_filters, decode_zstd, iter_decoded
 from .source import RECOPY, REBUILD, Source
 from .errors import (ChecksumMismatchError, CorruptFileError, InputError, NotAKvpackFileError, TruncatedFileError,
                      UnsupportedVersionError)
 
 __all__ = ["TensorCodec", "TensorInfo", "Container", "parse_header", "parse_json_text", "has_lone_surrogate",
-           "json_depth", "canonical", "check_tensor", "expansion_problem", "tensor_bytes", "container_bytes",
+           "json_depth", "canonical", "check_tensor", "expansion_problem", "tensor_bytes", "stream_tensor",
+           "container_bytes",
            "write_atomic", "remove_stale_temps"]
 
 _UPGRADE = "upgrade kvpack (`pip install -U kvpack`)"
@@ -460,8 +461,12 @@ def check_tensor(src: Source, box: Container, tname: str, data: np.ndarray | Non
             src.readinto(begin + at, piece)
             h.update(piece)
     if h.hexdigest() != box.sums[tname]:
-        raise ChecksumMismatchError(f"{src.name}: section {tname!r} (tensor {tname!r}) does not match its "
-                                    f"{C.CHECKSUM_NAMES[box.checksum]}: the file was altered or damaged; {RECOPY}")
+        raise _mismatch(src, box, tname)
+
+
+def _mismatch(src: Source, box: Container, tname: str) -> ChecksumMismatchError:
+    return ChecksumMismatchError(f"{src.name}: section {tname!r} (tensor {tname!r}) does not match its "
+                                 f"{C.CHECKSUM_NAMES[box.checksum]}: the file was altered or damaged; {RECOPY}")
 
 
 def tensor_bytes(src: Source, box: Container, tname: str, keep: bool = True) -> np.ndarray | None:
@@ -493,6 +498,44 @@ def tensor_bytes(src: Source, box: Container, tname: str, keep: bool = True) -> 
     except CodecError as exc:
         raise CorruptFileError(f"{src.name}: tensor {tname!r}: {exc}; {RECOPY}") from None
     return out
+
+
+def stream_tensor(src: Source, box: Container, tname: str, put, row: int = 1) -> None:
+    """Hand tensor ``tname``'s decoded bytes to ``put(first element, uint8 [m x itemsize])`` in element order, in
+    chunks of whole rows of ``row`` elements (about ``READ_CHUNK_BYTES`` each; the buffer is reused), so that the
+    caller can cast and place each chunk once, never holding the tensor twice.
+
+    A raw tensor is read chunk by chunk and checksummed on the way (a mismatch is raised after the last chunk: the
+    caller drops what it received); an encoded one is checksummed first, then decoded (``codecs.iter_decoded``).
+    Memory: one chunk (and, encoded, one zstd window per byte plane).
+
+    Raises:
+        ChecksumMismatchError: see ``check_tensor``.
+        CorruptFileError: the zstd frame is not one intact frame of exactly the declared size.
+    """
+    info = box.tensors[tname]
+    itemsize = C.DTYPE_BY_CODE[info.dtype].itemsize
+    numel = info.raw_nbytes // itemsize
+    step = max(1, C.READ_CHUNK_BYTES // (itemsize * row)) * row
+    begin = box.header_bytes + info.offsets[0]
+    if info.codec is None:
+        h = _digest(box.checksum)
+        buf = np.empty(min(step, numel) * itemsize, dtype=np.uint8)
+        for at in range(0, numel, step):
+            piece = buf[: min(step, numel - at) * itemsize]
+            src.readinto(begin + at * itemsize, piece)
+            h.update(piece)
+            put(at, piece)
+        if h.hexdigest() != box.sums[tname]:
+            raise _mismatch(src, box, tname)
+        return
+    check_tensor(src, box, tname)
+    try:
+        for at, chunk in iter_decoded(lambda o, n: src.read(begin + o, n), info.nbytes, info.raw_nbytes,
+                                      info.codec.filter, itemsize, step):
+            put(at, chunk)
+    except CodecError as exc:
+        raise CorruptFileError(f"{src.name}: tensor {tname!r}: {exc}; {RECOPY}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------

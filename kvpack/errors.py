@@ -8,6 +8,7 @@ from __future__ import annotations
 __all__ = [
     "KvpackError",
     "InputError",
+    "MemoryBudgetError",
     "ModelLoadError",
     "UnsupportedModelError",
     "ModelMismatchError",
@@ -26,6 +27,11 @@ class KvpackError(Exception):
 
 class InputError(KvpackError, ValueError):
     """A bad argument or input document (unknown method, ratio outside (0, 1], unreadable file, empty text)."""
+
+
+class MemoryBudgetError(InputError):
+    """Loading a pack would take more memory than allowed (``kvpack.load(max_bytes=)``, ``kvpack ask
+    --max-memory``; by default the memory available): checked from the header's declared sizes, before decoding."""
 
 
 class ModelLoadError(KvpackError):

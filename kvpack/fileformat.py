@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -31,14 +32,15 @@ from . import storage
 from .codecs import encode, writer_filter
 from .compact import compact_values_problem, quant_type, value_group_size
 from .container import (Container, TensorCodec, TensorInfo, container_bytes, expansion_problem, parse_header,
-                        parse_json_text, tensor_bytes, write_atomic)
+                        parse_json_text, stream_tensor, tensor_bytes, write_atomic)
 from .errors import CorruptFileError, InputError
 from .pack import LayerEntries, Pack, QuantizedRows
 from .source import REBUILD, Source, SourceLike
 from .validate import kv_range_problem, metadata_problem, pack_problem
 
 __all__ = ["TensorCodec", "TensorInfo", "PackHeader", "pack_to_bytes", "check_storage_args", "save", "load_pack",
-           "load_pack_and_header", "read_header", "verify"]
+           "load_pack_and_header", "load_pack_placed", "read_header", "read_index", "PackIndex", "LayerIndex",
+           "QuantIndex", "fetched", "verify"]
 
 #: Tensors whose values the reader checks (so ``verify`` keeps them); the others are only checksummed and decoded.
 _CHECKED = (C.TOKEN_IDS, C.HEAD_LENGTHS, C.POSITIONS, C.KEY_BITS, C.QUANT_GRID, C.ATTN_BIAS)
@@ -280,6 +282,15 @@ def _opened(source: SourceLike, storage_options: dict | None, whole: bool = Fals
         yield storage.as_path(source) if isinstance(source, (str, os.PathLike)) else source
 
 
+@contextmanager
+def fetched(source: SourceLike, storage_options: dict | None = None):
+    """``source`` ready for several reads (``read_header``, then ``kvpack.load``) from one request: an fsspec URL
+    is fetched once into memory (one ranged read: the file's bytes are held), anything else is yielded as it is.
+    Raises ``InputError`` for a URL that cannot be read."""
+    with _opened(source, storage_options, whole=True) as opened:
+        yield opened
+
+
 def read_header(source: SourceLike, *, storage_options: dict | None = None) -> PackHeader:
     """Read and validate the header of a ``.kvpack`` file (a path, an fsspec URL read by range with
     ``storage_options``, a seekable binary file object or the file's bytes) without reading the data: sizes, magic, version, canonical form, header checksum, tensor index, codecs,
@@ -331,6 +342,172 @@ def load_pack_and_header(source: SourceLike, *, storage_options: dict | None = N
     tensors). Arguments, returned tensors and errors as ``load_pack``'s."""
     with _opened(source, storage_options, whole=True) as opened:
         return _read(opened, keep_all=True)
+
+
+@dataclass(frozen=True)
+class QuantIndex:
+    """The key code widths of one quantized layer (``LayerIndex.quant``): ``key_bits`` uint8 ``[kv_heads, D]``."""
+
+    key_bits: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LayerIndex:
+    """One layer as the index tensors describe it (the attributes ``kvpack info`` reads of a ``LayerEntries``):
+    ``head_lengths`` int64 ``[kv_heads]``; ``quant`` its key code widths, or ``None`` when not quantized."""
+
+    head_lengths: torch.Tensor
+    quant: QuantIndex | None = None
+
+    @property
+    def num_entries(self) -> int:
+        """Entries kept in this layer over all heads."""
+        return int(self.head_lengths.sum())
+
+
+@dataclass(frozen=True)
+class PackIndex:
+    """What the header and the index tensors say about a pack, without its KV (``read_index``): ``layers``
+    (``LayerIndex`` each), ``original_tokens`` and ``sink_tokens``."""
+
+    layers: list[LayerIndex]
+    original_tokens: int
+    sink_tokens: int
+
+    def kept_entries(self) -> int:
+        """Entries kept over all layers and heads (sink entries included)."""
+        return sum(layer.num_entries for layer in self.layers)
+
+
+def read_index(source: SourceLike, *, storage_options: dict | None = None) -> tuple[PackHeader, PackIndex]:
+    """The validated header (``read_header``) and the index tensors ``kvpack info`` shows: ``head_lengths`` and,
+    quantized, ``key_bits`` and ``quant_grid``, each checksummed and checked (head lengths non-negative and
+    summing to the entries; code widths and grids as ``format/SPEC.md`` §8 step 14). The keys, values, codes,
+    positions and token ids are not read (``verify`` checks them): memory is the header and these small tensors.
+
+    Raises: the errors of ``read_header``; ``ChecksumMismatchError`` or ``CorruptFileError`` for those tensors.
+    """
+
+    with _opened(source, storage_options) as opened, Source(opened) as src:
+        box = parse_header(src)
+        header = _header(box, src.name)
+        names = [n for n in box.tensors if n in (C.HEAD_LENGTHS, C.KEY_BITS, C.QUANT_GRID)]
+        t = {name: _placed(src, box, name, None, torch.device("cpu")) for name in names}
+    lengths = t[C.HEAD_LENGTHS].to(torch.int64)
+    problem = None
+    if int(lengths.min()) < 0 or int(lengths.sum()) != header.entries:
+        problem = f"{C.HEAD_LENGTHS!r} must be non-negative and sum to the {header.entries} entries of {C.POSITIONS!r}"
+    elif header.group_size is not None:
+        problem = compact_values_problem(t[C.KEY_BITS].numpy(), t[C.QUANT_GRID].numpy(), header.quant_type,
+                                         header.head_dims[0])
+    if problem is not None:
+        raise CorruptFileError(f"{src.name}: {problem}; {REBUILD}")
+    bits = t.get(C.KEY_BITS)
+    layers = [LayerIndex(lengths[l], None if bits is None else QuantIndex(bits[l])) for l in range(header.num_layers)]
+    return header, PackIndex(layers, header.tokens, header.metadata[C.SINK_TOKENS_KEY])
+
+
+def load_pack_placed(source: SourceLike, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+                     before: Callable[[PackHeader], None] | None = None, storage_options: dict | None = None
+                     ) -> tuple[PackHeader, Pack, dict[int, list[tuple[str, tuple[float, float]]]]]:
+    """Read and validate a file as ``load_pack_and_header`` does, but decode each tensor **once**, chunk by chunk,
+    into a fresh tensor of its final dtype and device (``container.stream_tensor``): nothing memory-mapped, no
+    intermediate copy, so memory is the returned tensors plus one bounded buffer (about ``READ_CHUNK_BYTES``, and
+    a zstd window per byte plane of an encoded tensor).
+
+    ``before(header)`` is called once the header is validated (``format/SPEC.md`` §8 steps 1-12) and before any
+    tensor is read: the loader checks the model's shapes and its memory budget there. The index tensors are read
+    and checked first (step 14), then the others in data order.
+
+    Returns:
+        ``(header, pack, kv_ranges)``. The pack's ``keys`` ``[rows, head_dim]`` and ``values`` ``[rows, head_dim_v]``
+        are views of one tensor each in ``dtype`` (default: as stored) on ``device``; ``positions`` int64
+        ``[entries]`` on ``device``; ``biases`` float32 on ``device`` or ``None``; the quantization parts in their
+        stored dtypes on the CPU; ``token_ids`` int64 on the CPU (decoded as such: the cache's own). ``kv_ranges``: layer -> ``[("keys", (min, max)),
+        ("values", (min, max))]`` of its full-precision rows as stored, before any cast (``float('nan')`` when
+        some value is NaN; for ``validate.kv_range_problem``).
+
+    Raises: the errors of ``load_pack``, and whatever ``before`` raises.
+    """
+
+    dev = torch.device(device)
+    with _opened(source, storage_options, whole=True) as opened, Source(opened) as src:
+        box = parse_header(src)
+        header = _header(box, src.name)
+        if before is not None:
+            before(header)
+        cpu = torch.device("cpu")
+        placed = {C.POSITIONS: (torch.int64, cpu), C.TOKEN_IDS: (torch.int64, cpu), C.KEYS: (dtype, dev),
+                  C.VALUES: (dtype, dev)}  # int64: what the cache holds (positions move to ``device`` after the checks)
+        t: dict[str, torch.Tensor] = {}
+        first = [n for n in box.tensors if n in _CHECKED]
+        for name in first:
+            t[name] = _placed(src, box, name, *placed.get(name, (None, cpu)))
+        split = _contents_problem(header, {name: t[name].numpy() for name in first})
+        if isinstance(split, str):
+            raise CorruptFileError(f"{src.name}: {split}; {REBUILD}")
+        sinks, body = split
+        full_rows = (t[C.HEAD_LENGTHS].to(torch.int64).sum(dim=1) - torch.from_numpy(body.sum(axis=1))).tolist()
+        trackers = {name: _RangeTracker(full_rows) for name in (C.KEYS, C.VALUES)}
+        for name in box.tensors:
+            if name not in t:
+                t[name] = _placed(src, box, name, *placed.get(name, (None, cpu)), trackers.get(name))
+    kv_ranges: dict[int, list] = {l: [] for l in range(header.num_layers)}
+    for name, tracker in trackers.items():
+        for l, bounds in tracker.ranges().items():
+            kv_ranges[l].append((name, bounds))
+    for name in (C.POSITIONS, C.ATTN_BIAS):
+        if name in t:
+            t[name] = t[name].to(dev)
+    return header, _pack_of_tensors(header, t, sinks, body), kv_ranges
+
+
+def _placed(src: Source, box: Container, name: str, dtype: torch.dtype | None, device: torch.device,
+            observe=None) -> torch.Tensor:
+    """Tensor ``name`` decoded straight into a new tensor of its shape in ``dtype`` (default: its own) on
+    ``device``: each chunk is viewed in the stored dtype, shown to ``observe(first row, rows)`` and copied (cast)
+    into place once."""
+
+    info = box.tensors[name]
+    own = C.DTYPE_BY_CODE[info.dtype]
+    out = torch.empty(info.shape, dtype=dtype or own, device=device)
+    flat = out.view(-1)
+    row = info.shape[-1] if len(info.shape) > 1 and info.shape[-1] else 1
+
+    def put(at: int, chunk: np.ndarray) -> None:
+        piece = torch.from_numpy(chunk).view(own)
+        if observe is not None:
+            observe(at // row, piece.view(-1, row))
+        flat[at : at + piece.numel()].copy_(piece)
+
+    stream_tensor(src, box, name, put, row)
+    return out
+
+
+class _RangeTracker:
+    """Per-layer min and max of a keys or values tensor's full-precision rows (``rows[l]`` rows for layer ``l``,
+    layer after layer), gathered chunk by chunk as it is decoded, in the stored dtype (a later cast cannot hide or
+    create an out-of-range value); NaN once a NaN is seen. ``ranges()``: layer -> ``(min, max)``, layers with rows."""
+
+    def __init__(self, rows: list[int]):
+        self.starts = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)]).tolist()
+        self.low, self.high = [math.inf] * len(rows), [-math.inf] * len(rows)
+
+    def __call__(self, r0: int, piece: torch.Tensor) -> None:
+        r1 = r0 + piece.shape[0]
+        for l in range(len(self.low)):
+            a, b = max(r0, self.starts[l]), min(r1, self.starts[l + 1])
+            if a < b:
+                lo, hi = (float(x) for x in piece[a - r0 : b - r0].aminmax())
+                self.low[l] = _nan_or(min, self.low[l], lo)
+                self.high[l] = _nan_or(max, self.high[l], hi)
+
+    def ranges(self) -> dict[int, tuple[float, float]]:
+        return {l: (self.low[l], self.high[l]) for l in range(len(self.low)) if self.starts[l + 1] > self.starts[l]}
+
+
+def _nan_or(f, a: float, b: float) -> float:
+    return math.nan if math.isnan(a) or math.isnan(b) else f(a, b)
 
 
 def _header(box: Container, name: str) -> PackHeader:
@@ -487,9 +664,14 @@ def _contents_problem(header: PackHeader, a: dict[str, np.ndarray]) -> str | tup
 
 
 def _pack(header: PackHeader, data: dict[str, np.ndarray], sinks: np.ndarray, body: np.ndarray) -> Pack:
-    """The ``Pack`` of a checked file: per-layer views of its tensors."""
+    """The ``Pack`` of a checked file: per-layer views of its tensors (``data``: their bytes)."""
     t = {name: torch.from_numpy(data[name]).view(C.DTYPE_BY_CODE[info.dtype]).reshape(info.shape) if info.raw_nbytes
          else torch.empty(info.shape, dtype=C.DTYPE_BY_CODE[info.dtype]) for name, info in header.tensors.items()}
+    return _pack_of_tensors(header, t, sinks, body)
+
+
+def _pack_of_tensors(header: PackHeader, t: dict[str, torch.Tensor], sinks: np.ndarray, body: np.ndarray) -> Pack:
+    """The ``Pack`` of a checked file from its tensors ``t`` (each of its own shape): per-layer views of them."""
     lengths = t[C.HEAD_LENGTHS].to(torch.int64)
     per_layer = lengths.sum(dim=1).tolist()
     quantized = body.sum(axis=1).tolist()

@@ -15,7 +15,7 @@ from typing import Any
 from . import constants as C
 from .errors import InputError, KvpackError
 from . import storage
-from .fileformat import PackHeader, load_pack_and_header, read_header, verify
+from .fileformat import PackHeader, load_pack_and_header, read_header, read_index, verify
 from .manifest import read_manifest
 from .methods.params import PARAMS
 
@@ -129,9 +129,10 @@ def verify_report(path: str | os.PathLike, *, storage_options: dict | None = Non
 
 def info_text(file: str | os.PathLike, *, storage_options: dict | None = None) -> str:
     """The text ``kvpack info`` prints for ``file``: header facts, entries kept per layer, quantization errors,
-    bytes by section. Raises as ``kvpack.fileformat.load_pack`` (the whole file is validated)."""
+    bytes by section. Reads the header and the index tensors only (``kvpack.fileformat.read_index``: memory
+    independent of the KV's size; ``kvpack verify`` checks the rest). Raises as ``read_index``."""
     out = []
-    header, pack = load_pack_and_header(file, storage_options=storage_options)  # validates the whole file
+    header, pack = read_index(file, storage_options=storage_options)
     meta = header.metadata
     fp = meta.get("fingerprint") or {}
     stats = meta.get("stats") or {}

@@ -21,20 +21,26 @@ __all__ = ["pack_problem", "kv_range_problem", "metadata_problem", "LAYER_KINDS"
 LAYER_KINDS = ("compressed", "sliding_intact")
 
 
-def kv_range_problem(pack: Pack) -> str | None:
+def kv_range_problem(pack: Pack, full_ranges: dict[int, list[tuple[str, tuple[float, float]]]] | None = None
+                     ) -> str | None:
     """Why some key or value of ``pack`` (a consistent ``Pack``: ``pack_problem`` returned ``None``), dequantized,
     is not finite or lies outside ``[-MAX_KV_ABS, MAX_KV_ABS]`` (float16's largest finite value: every dtype the
     cache may be cast to holds it), or ``None``. Such entries make attention NaN (sampling then fails inside
     ``generate``). Full-precision rows are scanned (``torch.aminmax``, no copy); quantized rows are bounded from
     their group parameters (``compact.dequantized_ranges``, all layers at once) without decoding a code. Linear in
-    the pack's bytes. The sentence names the layer, the tensor and its range.
+    the pack's bytes. The sentence names the layer, the tensor and its range. ``full_ranges`` (layer ->
+    ``[(name, (min, max))]``, as ``fileformat.load_pack_placed`` measures them while decoding) replaces the scan of
+    the full-precision rows.
     """
     limit = C.MAX_KV_ABS
     quantized = [l for l, e in enumerate(pack.layers) if e.quant is not None]
     bounds = dict(zip(quantized, dequantized_ranges([pack.layers[l].quant for l in quantized])))
     for l, entries in enumerate(pack.layers):
-        ranges = [(name, t) for name, t in (("keys", entries.keys), ("values", entries.values)) if t.numel()]
-        ranges = [(name, tuple(float(x) for x in torch.aminmax(t))) for name, t in ranges]
+        if full_ranges is not None:
+            ranges = list(full_ranges.get(l, []))
+        else:
+            ranges = [(name, t) for name, t in (("keys", entries.keys), ("values", entries.values)) if t.numel()]
+            ranges = [(name, tuple(float(x) for x in torch.aminmax(t))) for name, t in ranges]
         if l in bounds:
             ranges.append(("quantized rows", bounds[l]))
         for name, (low, high) in ranges:

@@ -134,6 +134,11 @@ def test_verify_accepts_a_good_file_and_rejects_a_bit_flip(built, models, tmp_pa
     bad.write_bytes(bytes(data))
     res = _run(["verify", str(bad)], code=1)
     assert res.stderr.startswith("error: ") and "XXH3-128" in res.stderr
+    res = _run(["info", str(bad)])  # info reads the header and the index tensors only: the keys are verify's
+    assert "entries kept per layer" in res.stdout
+    head = bytearray(good.read_bytes())
+    head[100] ^= 0x01  # inside the header: info refuses it
+    bad.write_bytes(bytes(head))
     res = _run(["info", str(bad)], code=1)
     assert res.stderr.startswith("error: ")
 

@@ -20,10 +20,12 @@ is reproducible and resumable):
   ``bloat`` (long strings, many keys, many tensors). The two expensive classes, ``nesting`` and ``bloat``, are
   drawn a quarter as often as the others.
 
-Every file goes through ``read_header``, ``verify`` and ``load_pack`` (a file that loads is then range-checked
-as ``kvpack.load`` does, laid out as a ``KvpackCache`` and written back if it passes, none of which may fail with
-an untyped error; one that fails the range check must be refused by the writer too, with ``InputError``). Progress goes to ``--out``/log.txt every
-``--log-every`` files; the state (counts, slowest case, peak RSS) to ``--out``/state.json, from which a rerun
+Every file goes through ``read_header``, ``verify``, ``load_pack`` and ``load_pack_placed`` (``kvpack.load``'s
+reader, decoding straight to float32: it must accept exactly the files ``load_pack`` accepts, with the same values
+bit for bit and the same range verdict); a file that loads is then range-checked as ``kvpack.load`` does, laid
+out as a ``KvpackCache`` and written back if it passes, none of which may fail with an untyped error; one that
+fails the range check must be refused by the writer too, with ``InputError``. Progress goes to ``--out``/log.txt
+every ``--log-every`` files; the state (counts, slowest case, peak RSS) to ``--out``/state.json, from which a rerun
 resumes; files that broke a rule are kept under ``--out``/failures/ with the traceback.
 
     nohup python tools/fuzz_format.py --files 100000 --workers 2 --out runs/fuzz > runs/fuzz.nohup 2>&1 &
@@ -51,7 +53,7 @@ import torch  # noqa: E402
 import zstandard  # noqa: E402
 
 from kvpack.errors import InputError, KvpackError  # noqa: E402
-from kvpack.fileformat import load_pack, pack_to_bytes, read_header, verify  # noqa: E402
+from kvpack.fileformat import load_pack, load_pack_placed, pack_to_bytes, read_header, verify  # noqa: E402
 from tests.forge import canon, restore, split  # noqa: E402
 
 RAW = ("flip", "overwrite", "truncate", "insert", "delete", "splice", "length")
@@ -377,6 +379,21 @@ def check(data: bytes) -> tuple[str, float, str | None]:
         return "disagree", slowest, f"verify says {results['verify']}, load_pack {results['load_pack']}"
     if results["read_header"] != "ok" and results["load_pack"] == "ok":
         return "disagree", slowest, f"read_header says {results['read_header']} but load_pack loads it"
+    t0 = time.perf_counter()
+    try:
+        placed = load_pack_placed(data, dtype=torch.float32)  # kvpack.load's reader: decoded straight to float32
+    except KvpackError as exc:
+        placed = type(exc).__name__
+    except BaseException as exc:  # noqa: BLE001
+        return "untyped", slowest, f"load_pack_placed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    slowest = max(slowest, time.perf_counter() - t0)
+    if isinstance(placed, str) != (pack is None):
+        return "disagree", slowest, f"load_pack says {results['load_pack']}, load_pack_placed " \
+                                    f"{placed if isinstance(placed, str) else 'ok'}"
+    if pack is not None:
+        problem = _placed_problem(pack, *placed[1:])
+        if problem is not None:
+            return "disagree", slowest, problem
     if pack is not None:
         t0 = time.perf_counter()
         try:
@@ -400,6 +417,28 @@ def check(data: bytes) -> tuple[str, float, str | None]:
                                         f"{traceback.format_exc()}"
         slowest = max(slowest, time.perf_counter() - t0)
     return results["load_pack"], slowest, None
+
+
+def _placed_problem(pack, placed, ranges) -> str | None:
+    """How ``load_pack_placed``'s pack differs from ``load_pack``'s cast to float32 (bit for bit, NaN payloads
+    included), or whether the two range checks disagree; None if they agree."""
+    from kvpack.validate import kv_range_problem
+
+    def bits(t):
+        return t.detach().float().contiguous().view(torch.int32)
+
+    if not torch.equal(pack.token_ids, placed.token_ids):
+        return "load_pack_placed: other token ids"
+    for l, (a, b) in enumerate(zip(pack.layers, placed.layers, strict=True)):
+        same = (torch.equal(bits(a.keys), bits(b.keys)) and torch.equal(bits(a.values), bits(b.values))
+                and torch.equal(a.positions.long(), b.positions) and torch.equal(a.head_lengths, b.head_lengths)
+                and (a.biases is None) == (b.biases is None)
+                and (a.biases is None or torch.equal(bits(a.biases), bits(b.biases))))
+        if not same:
+            return f"load_pack_placed: layer {l} differs from load_pack's"
+    if (kv_range_problem(pack) is None) != (kv_range_problem(placed, ranges) is None):
+        return "load_pack_placed: its range check disagrees with load_pack's"
+    return None
 
 
 def _rss_mb() -> float:
