@@ -420,12 +420,13 @@ def check(data: bytes) -> tuple[str, float, str | None]:
 
 
 def _placed_problem(pack, placed, ranges) -> str | None:
-    """How ``load_pack_placed``'s pack differs from ``load_pack``'s cast to float32 (bit for bit, NaN payloads
-    included), or whether the two range checks disagree; None if they agree."""
+    """How ``load_pack_placed``'s pack differs from ``load_pack``'s cast to float32 (bit for bit, but every NaN is
+    one NaN: casts may keep or quiet a payload), or whether the two range checks disagree; None if they agree."""
     from kvpack.validate import kv_range_problem
 
     def bits(t):
-        return t.detach().float().contiguous().view(torch.int32)
+        t = t.detach().float()
+        return torch.where(t.isnan(), torch.full_like(t, float("nan")), t).contiguous().view(torch.int32)
 
     if not torch.equal(pack.token_ids, placed.token_ids):
         return "load_pack_placed: other token ids"
