@@ -1,6 +1,6 @@
 """``kvpack build`` as a library: plan which contexts need building (no model needed), then build them.
 
-    contexts = discover_contexts(["docs/"])                     # kvpack.sources: mirrored names, bad ones marked
+    contexts = discover_contexts(["docs/"])                     # kvpack.inputs: mirrored names, bad ones marked
     settings = build_settings(method="kvzip", ratio=0.3)         # validated, no model needed
     plan = plan_build(contexts, "packs/", settings, model_id=model_identity(None))
     if plan.needs_model:                                         # False when every pack is up to date
@@ -35,20 +35,21 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from . import constants as C
+from . import settings as S
 from . import storage
-from .compress import DEFAULT_CHUNK_SIZE, DEFAULT_RATIO, compress, max_context_tokens
+from .compress import compress, max_context_tokens
 from .errors import InputError, KvpackError
-from .container import remove_stale_temps
 from .fileformat import PackHeader, check_storage_args, read_header, save, verify
 from .fingerprint import check_fingerprint, model_fingerprint
 from .layout import chat_layout
 from .manifest import MANIFEST_NAME, ManifestWriter, read_manifest
 from .methods import get_method
 from .methods.params import PARAMS
-from .model import model_spec
+from .model import KV_DTYPES, model_spec
 from .names import part_name
 from .quant import check_quant_args
-from .sources import SUFFIXES, Context, discover_contexts, split_text
+from .settings import DEFAULT_CHUNK_SIZE, DEFAULT_RATIO
+from .inputs import SUFFIXES, Context, discover_contexts, split_text
 
 __all__ = [
     "SUFFIXES",
@@ -119,6 +120,7 @@ class _Item:
     path: Path | str
     header: PackHeader | None = None  # verified header of an up-to-date pack
     known_failure: str | None = None  # recorded reason it is too long for this model (same text, settings, model)
+    known_tokens: int = 0  # the tokens recorded with that failure
     parts: list[tuple[Context, PackHeader]] = field(default_factory=list)  # up-to-date parts of a split context
 
 
@@ -178,16 +180,19 @@ def default_out_dir(inputs: Iterable[str | os.PathLike]) -> Path | str:
 
 
 def build_settings(*, method: str = "kvzip", ratio: float = DEFAULT_RATIO, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                   quant: str = C.QUANT_NONE, group_size: int = C.DEFAULT_GROUP_SIZE,
-                   zstd_level: int = C.DEFAULT_ZSTD_LEVEL, checksum: str = C.DEFAULT_CHECKSUM, **options) -> dict:
+                   quant: str = C.QUANT_NONE, group_size: int = S.DEFAULT_GROUP_SIZE,
+                   zstd_level: int = S.DEFAULT_ZSTD_LEVEL, checksum: str = S.DEFAULT_CHECKSUM,
+                   kv_dtype: str = "auto", **options) -> dict:
     """The validated settings of a build, as JSON (what an up-to-date pack records), without a model.
 
     Returns:
         ``{"method", "method_params", "ratio", "quant": [type, group size, layout] (``[none, None, None]``),
-        "zstd_level", "checksum", "chunk_size", "options"}``; ``ratio`` is the one recorded (1.0 for ``none``).
+        "zstd_level", "checksum", "kv_dtype", "chunk_size", "options"}``; ``ratio`` is the one recorded (1.0 for
+        ``none``); ``kv_dtype`` as asked (``"auto"``: the model's 16-bit dtype, ``kvpack.model.resolve_kv_dtype``).
 
     Raises:
-        InputError: bad method, option, ratio, chunk size, quantization, group size, zstd level or checksum.
+        InputError: bad method, option, ratio, chunk size, quantization, group size, zstd level, checksum or
+            kv_dtype.
     """
     if not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0.0 < ratio <= 1.0):
         raise InputError(f"ratio must be in (0, 1] (the fraction of KV entries kept), got {ratio!r}")
@@ -195,13 +200,15 @@ def build_settings(*, method: str = "kvzip", ratio: float = DEFAULT_RATIO, chunk
         raise InputError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}")
     scorer = get_method(method, {"chunk_size": chunk_size}, **options)  # the same default compress applies
     if quant != C.QUANT_NONE:
-        check_quant_args(quant, group_size, allowed_group_sizes=C.GROUP_SIZES)
+        check_quant_args(quant, group_size, allowed_group_sizes=S.GROUP_SIZES)
     check_storage_args(zstd_level, checksum)
+    if kv_dtype not in KV_DTYPES:
+        raise InputError(f"unknown kv_dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
     stored = [quant, group_size, C.QUANT_LAYOUT_COMPACT] if quant != C.QUANT_NONE else [C.QUANT_NONE, None, None]
     return json.loads(json.dumps({
         "method": scorer.name, "method_params": scorer.params(), "ratio": float(scorer.kept_ratio(ratio)),
-        "quant": stored, "zstd_level": zstd_level, "checksum": checksum, "chunk_size": chunk_size,
-        "options": options}))
+        "quant": stored, "zstd_level": zstd_level, "checksum": checksum, "kv_dtype": kv_dtype,
+        "chunk_size": chunk_size, "options": options}))
 
 
 def plan_build(contexts: Iterable[Context], out_dir: str | os.PathLike, settings: dict, *,
@@ -245,6 +252,7 @@ def plan_build(contexts: Iterable[Context], out_dir: str | os.PathLike, settings
                     "kind") == "too_long" and rec.get("source_sha256") == sha and rec.get("settings") == settings \
                     and rec.get("model") == model_id and isinstance(rec.get("error"), str):
                 item.known_failure = rec["error"]
+                item.known_tokens = rec["tokens"] if type(rec.get("tokens")) is int else 0
         items.append(item)
     return BuildPlan(out, settings, model_id, overwrite, items, records, so)
 
@@ -272,7 +280,7 @@ def _check_writable(out: Path | str, storage_options: dict | None = None) -> Non
     if manifest.exists() and not manifest.is_file():
         raise InputError(f"{manifest} is not a file, so the build cannot record its packs there; remove it or pass "
                          "another --out")
-    remove_stale_temps(out)  # temporary files of saves killed in an earlier run (never a live writer's)
+    storage.remove_stale_temps(out)  # temporary files of saves killed in an earlier run (never a live writer's)
 
 
 def _sha(text: str) -> str:
@@ -334,9 +342,21 @@ def _header_settings(header: PackHeader) -> dict:
     meta = header.metadata
     quant = ([header.quant_type, header.group_size, header.quant_layout] if header.group_size
              else [C.QUANT_NONE, None, None])
+    keys = header.tensors.get(C.KEYS)
+    kv_dtype = C.KV_DTYPE_NAMES.get(keys.dtype) if keys is not None else None
     return {"method": meta.get("method"), "ratio": meta.get("ratio"),
             "method_params": _with_defaults(meta.get("method"), meta.get("method_params")),
-            "quant": quant, "zstd_level": header.zstd_level, "checksum": header.checksum}
+            "quant": quant, "zstd_level": header.zstd_level, "checksum": header.checksum,
+            "kv_dtype": kv_dtype}
+
+
+def _stored_as(kv_dtype: Any, asked: str) -> Any:
+    """``asked`` when a pack whose keys are stored in ``kv_dtype`` (a name, from the tensor index) is what a build
+    asking for ``asked`` writes: ``auto`` writes the model's 16-bit dtype (the model is not known yet, so either
+    16-bit dtype passes). Else ``kv_dtype``."""
+    if asked == "auto" and kv_dtype in ("bfloat16", "float16"):
+        return asked
+    return kv_dtype
 
 
 def _matching_header(path: Path | str, sha: str | None, settings: dict, so: dict | None = None
@@ -354,8 +374,11 @@ def _matching_header(path: Path | str, sha: str | None, settings: dict, so: dict
     source = header.metadata.get("source")
     if not isinstance(source, dict) or (sha is not None and source.get("sha256") != sha):
         return None
-    want = {k: settings[k] for k in ("method", "method_params", "ratio", "quant", "zstd_level", "checksum")}
-    return header if _header_settings(header) == want else None
+    want = {k: settings.get(k, "auto") for k in ("method", "method_params", "ratio", "quant", "zstd_level", "checksum",
+                                                  "kv_dtype")}
+    found = _header_settings(header)
+    found["kv_dtype"] = _stored_as(found["kv_dtype"], want["kv_dtype"])
+    return header if found == want else None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -397,7 +420,7 @@ def run_build(plan: BuildPlan, model=None, tokenizer=None, *, split: bool = Fals
         q = plan.settings["quant"]
         if q[0] != C.QUANT_NONE:
             spec = model_spec(model)
-            check_quant_args(q[0], q[1], spec.head_dim, spec.head_dim, allowed_group_sizes=C.GROUP_SIZES)
+            check_quant_args(q[0], q[1], spec.head_dim, spec.head_dim, allowed_group_sizes=S.GROUP_SIZES)
         expected = _comparable(model_fingerprint(model, tokenizer))
         limit = max_context_tokens(model)
         layout = chat_layout(tokenizer)
@@ -411,9 +434,10 @@ def run_build(plan: BuildPlan, model=None, tokenizer=None, *, split: bool = Fals
         try:
             todo = [it for it in plan.items if item_needs_model(it)]
             sizes = {id(it): prefix + len(layout.encode_text(tokenizer, it.ctx.text)) for it in todo}
+            # the bar's total: the tokens to compress (a context too long without --split fails before any)
+            total = sum(n for n in sizes.values() if split or limit is None or n <= limit)
             for item in plan.items:
-                for result in run.item(item, sizes.get(id(item)), limit, split, layout, tokenizer, expected,
-                                       sum(sizes.values())):
+                for result in run.item(item, sizes.get(id(item)), limit, split, layout, tokenizer, expected, total):
                     yield result
                     if fail_fast and result.status == "failed":
                         return
@@ -427,6 +451,7 @@ class _Run:
     def __init__(self, plan: BuildPlan, model, tokenizer, model_id: dict, progress_factory):
         self.plan, self.model, self.tokenizer, self.model_id = plan, model, tokenizer, model_id
         self.progress_factory, self.bar, self.manifest = progress_factory, None, None
+        self.skipped = 0  # the bar's share of contexts found up to date before the bar was made
 
     def close(self) -> None:
         if self.bar is not None:
@@ -466,7 +491,8 @@ class _Run:
             return
         if ctx.error is not None or item.known_failure is not None:
             kind = "too_long" if item.known_failure is not None else None
-            yield self.result(ctx, item.path, "failed", t0, sha, error=ctx.error or item.known_failure, kind=kind)
+            yield self.result(ctx, item.path, "failed", t0, sha, error=ctx.error or item.known_failure, kind=kind,
+                              tokens=item.known_tokens)
             return
         pieces = [ctx]
         if limit is not None and tokens > limit:
@@ -479,33 +505,45 @@ class _Run:
             try:
                 texts = split_text(ctx.text, lambda t: prefix + len(layout.encode_text(tokenizer, t)) <= limit)
             except InputError as exc:
+                _Progress(self.open_bar(total, ctx.name), 0, 1, worth=tokens).finish()
                 yield self.result(ctx, item.path, "failed", t0, sha, tokens=tokens, error=str(exc))
                 return
             pieces = ctx.parts_of(texts)
-        for piece in pieces:
-            yield self.build_one(piece, sha, expected, total, t0 if len(pieces) == 1 else time.perf_counter(),
-                                 tokens if len(pieces) == 1 else None, layout, tokenizer)
+        counts = [tokens] if len(pieces) == 1 else [prefix + len(layout.encode_text(tokenizer, p.text))
+                                                    for p in pieces]
+        for piece, n, worth in zip(pieces, counts, _shares(counts, tokens)):  # the parts fill the context's share
+            yield self.build_one(piece, sha, expected, total, t0 if len(pieces) == 1 else time.perf_counter(), n,
+                                 worth)
 
-    def build_one(self, ctx: Context, sha: str, expected: dict, total: int, t0: float, tokens: int | None, layout,
-                  tokenizer) -> BuildResult:
+    def open_bar(self, total: int, name: str):
+        """The progress bar (made at the first context to build, worth ``total`` tokens, with the share of the
+        contexts found up to date before it already done), naming ``name``."""
+        if self.bar is None and self.progress_factory is not None:
+            self.bar = self.progress_factory(total=total)
+            if self.skipped:
+                self.bar.update(self.skipped)
+        if self.bar is not None and hasattr(self.bar, "set_description"):
+            self.bar.set_description(name, refresh=True)
+        return self.bar
+
+    def build_one(self, ctx: Context, sha: str, expected: dict, total: int, t0: float, tokens: int, worth: int
+                  ) -> BuildResult:
         path, so = storage.join(self.plan.out, ctx.pack), self.plan.storage_options
         if not self.plan.overwrite:
             header = _matching_header(path, _sha(ctx.text), self.plan.settings, so)
             if header is not None and _comparable(header.metadata.get("fingerprint")) == expected:
+                _Progress(self.bar, 0, 1, worth=worth).finish()
+                self.skipped += worth if self.bar is None else 0  # no bar until something is built
                 return self.result(ctx, path, "up_to_date", t0, sha, header=header)
-        if tokens is None:
-            tokens = len(layout.prefix_ids(tokenizer)) + len(layout.encode_text(tokenizer, ctx.text))
-        if self.bar is None and self.progress_factory is not None:
-            self.bar = self.progress_factory(total=total)
-        if self.bar is not None and hasattr(self.bar, "set_description"):
-            self.bar.set_description(ctx.name, refresh=True)
+        tracker = _Progress(self.open_bar(total, ctx.name), tokens, stages=1 if self.plan.settings["ratio"] >= 1.0
+                            else 2, worth=worth)
         existed = storage.is_file(path, so)
-        tracker = _Progress(self.bar, tokens, stages=1 if self.plan.settings["ratio"] >= 1.0 else 2)
         s = self.plan.settings
         try:
             pack = compress(self.model, self.tokenizer, ctx.text, method=s["method"], ratio=s["ratio"],
                             chunk_size=s["chunk_size"], source_name=_short(ctx.source_name), progress=tracker,
-                            quant=s["quant"][0], group_size=s["quant"][1] or C.DEFAULT_GROUP_SIZE, **s["options"])
+                            quant=s["quant"][0], group_size=s["quant"][1] or S.DEFAULT_GROUP_SIZE,
+                            kv_dtype=s.get("kv_dtype", "auto"), **s["options"])
             if storage.is_url(path):
                 storage.makedirs(storage.parent_of(path), so)
             else:
@@ -538,8 +576,8 @@ def _reason(exc: BaseException, path: Path) -> str:
 def build(contexts: Iterable[Context], model, tokenizer, *, out_dir: str | os.PathLike, method: str = "kvzip",
           ratio: float = DEFAULT_RATIO, chunk_size: int = DEFAULT_CHUNK_SIZE, overwrite: bool = False,
           progress_factory: Callable[..., Any] | None = None, quant: str = C.QUANT_NONE,
-          group_size: int = C.DEFAULT_GROUP_SIZE, zstd_level: int = C.DEFAULT_ZSTD_LEVEL,
-          checksum: str = C.DEFAULT_CHECKSUM, split: bool = False, fail_fast: bool = False,
+          group_size: int = S.DEFAULT_GROUP_SIZE, zstd_level: int = S.DEFAULT_ZSTD_LEVEL,
+          checksum: str = S.DEFAULT_CHECKSUM, kv_dtype: str = "auto", split: bool = False, fail_fast: bool = False,
           model_id: dict | None = None, **options) -> list[BuildResult]:
     """``build_settings`` + ``plan_build`` + ``run_build``: compress every context into ``<out_dir>/<name>.kvpack``.
 
@@ -547,7 +585,8 @@ def build(contexts: Iterable[Context], model, tokenizer, *, out_dir: str | os.Pa
         contexts: from ``discover_contexts``.
         model, tokenizer: from ``kvpack.load_model``.
         out_dir: output folder, created if missing.
-        method, ratio, chunk_size, quant, group_size, zstd_level, checksum, **options: as ``build_settings``.
+        method, ratio, chunk_size, quant, group_size, zstd_level, checksum, kv_dtype, **options: as
+            ``build_settings``.
         overwrite, model_id: as ``plan_build``. split, fail_fast, progress_factory: as ``run_build``.
 
     Returns:
@@ -558,7 +597,7 @@ def build(contexts: Iterable[Context], model, tokenizer, *, out_dir: str | os.Pa
         UnsupportedModelError: the model is not supported.
     """
     settings = build_settings(method=method, ratio=ratio, chunk_size=chunk_size, quant=quant, group_size=group_size,
-                              zstd_level=zstd_level, checksum=checksum, **options)
+                              zstd_level=zstd_level, checksum=checksum, kv_dtype=kv_dtype, **options)
     plan = plan_build(contexts, out_dir, settings, model_id=model_id, overwrite=overwrite, split=split)
     return list(run_build(plan, model, tokenizer, split=split, fail_fast=fail_fast,
                           progress_factory=progress_factory))
@@ -570,15 +609,31 @@ def _comparable(fingerprint: Any) -> dict:
     return {k: v for k, v in fingerprint.items() if k not in _IGNORED_FINGERPRINT_FIELDS}
 
 
+def _shares(counts: list[int], total: int) -> list[int]:
+    """``counts`` scaled to integers summing to ``total`` (largest remainders first): the bar's worth of each part
+    of a split context, whose token counts add up to more than the whole (each part repeats the template)."""
+    whole = sum(counts)
+    if whole <= 0:
+        return [0] * len(counts)
+    exact = [c * total / whole for c in counts]
+    out = [int(x) for x in exact]
+    for i in sorted(range(len(counts)), key=lambda i: out[i] - exact[i])[: total - sum(out)]:
+        out[i] += 1
+    return out
+
+
 class _Progress:
-    """Turns ``compress``'s per-stage ``progress(n)`` calls into bar updates worth ``tokens`` in all.
+    """Turns ``compress``'s per-stage ``progress(n)`` calls on a context of ``tokens`` tokens into bar updates worth
+    ``worth`` in all (default ``tokens``).
 
     ``compress`` reports cumulative counts per stage (prefill, then scoring); a count not above the previous one
-    starts the next stage. Each stage is worth ``tokens / stages``; ``finish`` tops the context up to ``tokens``.
+    starts the next stage. Each stage is worth ``worth / stages``; ``finish`` tops the context up to ``worth`` (also
+    for a context that failed or turned out up to date, so the bar ends at its total).
     """
 
-    def __init__(self, bar, tokens: int, stages: int):
+    def __init__(self, bar, tokens: int, stages: int, worth: int | None = None):
         self.bar, self.tokens, self.stages = bar, tokens, max(1, stages)
+        self.worth = tokens if worth is None else worth
         self.stage, self.last, self.done = 0, 0, 0
 
     def __call__(self, n: int) -> None:
@@ -586,13 +641,13 @@ class _Progress:
             self.stage += 1
         self.last = n
         frac = (min(self.stage, self.stages - 1) + min(1.0, n / max(1, self.tokens))) / self.stages
-        self._advance(int(frac * self.tokens))
+        self._advance(int(frac * self.worth))
 
     def finish(self) -> None:
-        self._advance(self.tokens)
+        self._advance(self.worth)
 
     def _advance(self, target: int) -> None:
-        target = min(target, self.tokens)
+        target = min(target, self.worth)
         if self.bar is not None and target > self.done:
             self.bar.update(target - self.done)
         self.done = max(self.done, target)

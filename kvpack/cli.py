@@ -21,25 +21,15 @@ import click
 
 from . import __version__
 from . import constants as C
+from . import settings as S
 from . import storage
-from .build import build_settings, check_compatible, default_out_dir, discover_contexts, plan_build, run_build
-from .build import summary as build_summary
-from .compress import DEFAULT_CHUNK_SIZE, DEFAULT_RATIO
 from .errors import InputError, KvpackError
-from .fileformat import fetched, read_header, read_index
-from .generation import answer
-from .listing import describe_pack, info_text, list_packs, method_label, verify_report
-from .listing import json_text, printable, table as _table
-from .compact_cache import DEQUANTIZE
-from .loading import check_kv_range, load, parse_size
-from .methods import METHODS
-from .methods.params import SCORINGS, command_line_options
-from .model import REFERENCE_MODEL_NAME, load_model, model_for_pack, model_identity
+from .methods.params import PARAMS, SCORINGS, command_line_options
+from .terminal import json_text, printable, table as _table
 
 __all__ = ["cli", "main"]
 
 _DEVICES = ("auto", "cpu", "cuda")
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _MODEL_HELP = ("Hugging Face model folder (holding config.json), kvpack-reference (the embedded reference model) or "
                "hub id (from the local cache when offline) [default: kvpack-reference].")
 
@@ -56,7 +46,7 @@ class _Group(click.Group):
 
 
 def _model_options(f):
-    f = click.option("--dtype", type=click.Choice(_DTYPES), default="auto", show_default=True,
+    f = click.option("--dtype", type=click.Choice(S.DTYPES), default="auto", show_default=True,
                      help="Model dtype (auto: bfloat16 on CUDA, float32 on CPU).")(f)
     f = click.option("--device", type=click.Choice(_DEVICES), default="auto", show_default=True,
                      help="Where to run the model (auto: CUDA when available).")(f)
@@ -83,6 +73,8 @@ def _storage_options(f):
 
 
 def _load(model: str | None, device: str, dtype: str):
+    from .model import load_model
+
     click.echo(f"loading model {model or '(embedded reference model)'} ...", err=True)
     return load_model(model, device=device, dtype=dtype)
 
@@ -123,7 +115,7 @@ def _method_params(method: str, given: dict) -> dict:
     """The method options given on the command line; ``InputError`` for one the method does not take."""
     given = {k: v for k, v in given.items() if v is not None}
     flags = {o.param: o.flag for o in command_line_options()}
-    takes = METHODS[method].parameter_names()
+    takes = PARAMS[method].parameter_names()
     wrong = [flags[k] for k in given if k not in takes]
     if wrong:
         own = [flags[k] for k in takes if k in flags]
@@ -132,37 +124,70 @@ def _method_params(method: str, given: dict) -> dict:
     return given
 
 
-@cli.command()
+class _BuildCommand(click.Command):
+    """``build``, whose help lists the general options, then ``--ray``'s, then each method's own options (a flag two
+    methods share, such as ``--window``, appears under each with that method's meaning and default)."""
+
+    RAY = ("use_ray", "ray_address", "workers", "gpus_per_worker")
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        records = {p.name: p.get_help_record(ctx) for p in self.get_params(ctx) if isinstance(p, click.Option)}
+        own = {o.param: o for o in command_line_options()}
+        with formatter.section("Options"):
+            formatter.write_dl([r for name, r in records.items() if r and name not in own and name not in self.RAY])
+        with formatter.section("Ray (build on Ray Data actors)"):
+            formatter.write_dl([records[name] for name in self.RAY])
+        sections: dict[tuple, list[str]] = {}  # a method's rows -> the methods with exactly those rows
+        for method in PARAMS:
+            rows = []
+            for o in own.values():
+                for name, text, default, choices in o.uses:
+                    if name == method:
+                        only = f" (here: {', '.join(choices)})" if choices and choices != o.choices else ""
+                        shown = "" if default is None or isinstance(default, bool) else f" [default: {default}]"
+                        rows.append((records[o.param][0], f"{text}{only}{shown}."))
+            if rows:
+                sections.setdefault(tuple(rows), []).append(method)
+        for rows, methods in sections.items():
+            with formatter.section(f"--method {' | '.join(methods)}"):
+                formatter.write_dl(list(rows))
+
+
+@cli.command(cls=_BuildCommand)
 @click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
 @click.option("--model", "model_name", default=None, metavar="NAME_OR_PATH", help=_MODEL_HELP)
-@click.option("--method", type=click.Choice(sorted(METHODS)), default="kvzip", show_default=True,
+@click.option("--method", type=click.Choice(sorted(PARAMS)), default="kvzip", show_default=True,
               help="Compression method (scores the KV entries).")
-@click.option("--ratio", type=click.FloatRange(0.0, 1.0, min_open=True), default=DEFAULT_RATIO, show_default=True,
+@click.option("--ratio", type=click.FloatRange(0.0, 1.0, min_open=True), default=S.DEFAULT_RATIO, show_default=True,
               help="Fraction of the context's KV entries kept (kvzip-head: of the (layer, KV head) pairs kept whole).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="Output folder or URL (s3://bucket/packs, ...) [default: packs/ beside the first input: "
                    "docs/ -> docs/../packs, docs/a.txt -> docs/packs].")
 @_model_options
-@click.option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE, show_default=True,
+@click.option("--chunk-size", type=click.IntRange(min=1), default=S.DEFAULT_CHUNK_SIZE, show_default=True,
               help="Tokens per prefill and scoring chunk (bounds memory).")
-@click.option("--quant", type=click.Choice(C.QUANT_CHOICES), default=C.QUANT_NONE, show_default=True,
+@click.option("--quant", type=click.Choice(S.QUANT_CHOICES), default=C.QUANT_NONE, show_default=True,
               help="Quantize the kept KV: keys per channel, values per token (KIVI grouping) in the compact layout "
                    "(key code widths per channel chosen from the context's queries, 8-bit group parameters); the "
                    "attention sink stays in full precision.")
-@click.option("--group-size", type=click.Choice([str(g) for g in C.GROUP_SIZES]), default=str(C.DEFAULT_GROUP_SIZE),
+@click.option("--group-size", type=click.Choice([str(g) for g in S.GROUP_SIZES]), default=str(S.DEFAULT_GROUP_SIZE),
               show_default=True, help="Quantization group: tokens per key scale, channels per value scale (at most head_dim).")
-@click.option("--zstd-level", type=click.IntRange(0, C.ZSTD_MAX_LEVEL), default=C.DEFAULT_ZSTD_LEVEL,
+@click.option("--zstd-level", type=click.IntRange(0, C.ZSTD_MAX_LEVEL), default=S.DEFAULT_ZSTD_LEVEL,
               show_default=True, help="zstd-compress each tensor at this level (0: off).")
-@click.option("--checksum", type=click.Choice(C.CHECKSUMS), default=C.DEFAULT_CHECKSUM, show_default=True,
+@click.option("--checksum", type=click.Choice(C.CHECKSUMS), default=S.DEFAULT_CHECKSUM, show_default=True,
               help="Tensor checksum: xxh3 (XXH3-128, fast to verify; detects damage, not tampering) or sha256 "
                    "(cryptographic, 6-8x slower to verify).")
+@click.option("--kv-dtype", type=click.Choice(S.DTYPES), default="auto", show_default=True,
+              help="Dtype the pack stores keys and values in, whatever --dtype computes in: auto is the model's "
+                   "16-bit dtype (bfloat16 or float16 as its config says; float16 for a float32 checkpoint).")
 @click.option("--overwrite", is_flag=True, help="Rebuild packs that are already up to date (a pack built with other "
                                                 "settings is always rebuilt and replaced).")
 @click.option("--split", is_flag=True, help="Cut a context longer than the model allows at paragraph boundaries into "
                                             "parts NAME.part-001.kvpack, ... [default: skip it as failed].")
 @click.option("--fail-fast", is_flag=True, help="Stop at the first context that cannot be built [default: record it "
                                                 "and build the others].")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout (progress stays on stderr).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON line on stdout (progress stays "
+                                                      "on stderr).")
 @_threads_option
 @_storage_options
 @click.option("--ray", "use_ray", is_flag=True,
@@ -176,9 +201,15 @@ def _method_params(method: str, given: dict) -> dict:
               help="With --ray: GPUs reserved per actor (0: CPU actors).")
 @_method_options
 def build(inputs, model_name, method, ratio, out_dir, device, dtype, chunk_size, quant, group_size, zstd_level,
-          checksum, overwrite, split, fail_fast, as_json, threads, storage_option, use_ray, ray_address, workers,
+          checksum, kv_dtype, overwrite, split, fail_fast, as_json, threads, storage_option, use_ray, ray_address, workers,
           gpus_per_worker, **method_options):
     """Compress each document in INPUT... into a .kvpack file; --out mirrors the input tree.
+
+    \b
+    Examples:
+      kvpack build docs/ --out packs/                  # KVzip, keep 30% of the entries
+      kvpack build a.txt --ratio 0.1 --quant int4      # keep 10%, as 4-bit codes
+      kvpack build docs/ --method am --reference both  # a method's own options
 
     INPUT is .txt/.md files (one document each: a/notes.txt -> OUT/a/notes.kvpack), .jsonl files (one document
     per line, {"id": ..., "text": ...}: data.jsonl -> OUT/data/<id>.kvpack), .parquet files (one per row, "text"
@@ -186,11 +217,16 @@ def build(inputs, model_name, method, ratio, out_dir, device, dtype, chunk_size,
     Packs already up to date (same text, method, parameters, ratio, quantization, zstd level, checksum and model)
     are kept; OUT/kvpack-manifest.jsonl records every pack. A document that cannot be built (empty, binary, not
     UTF-8, too long) is reported and the others are built; the exit status is then 1 (130 when interrupted).
-    The method options below apply to the methods named in their help; giving one to another method is an error.
+    Each method's own options are listed under its name below; giving one to another method is an error.
     """
+    from .build import build_settings, default_out_dir, discover_contexts, plan_build, run_build
+    from .build import summary as build_summary
+    from .model import model_identity
+
     options = _method_params(method, method_options)
     settings = build_settings(method=method, ratio=ratio, chunk_size=chunk_size, quant=quant,
-                              group_size=int(group_size), zstd_level=zstd_level, checksum=checksum, **options)
+                              group_size=int(group_size), zstd_level=zstd_level, checksum=checksum,
+                              kv_dtype=kv_dtype, **options)
     if not use_ray and (ray_address is not None or workers is not None or gpus_per_worker):
         raise InputError("--ray-address, --workers and --gpus-per-worker need --ray")
     so = storage.parse_storage_options(storage_option)
@@ -223,7 +259,7 @@ def build(inputs, model_name, method, ratio, out_dir, device, dtype, chunk_size,
         interrupted = True
     report = build_summary(results, out, interrupted=interrupted)
     if as_json:
-        click.echo(json_text(report, indent=1))
+        click.echo(json_text(report))
     else:
         rows = [(r.name, f"{r.tokens:,}", f"{r.entries_kept:,}", f"{r.bytes_written:,}", f"{r.seconds:.2f}",
                  r.status.replace("_", " ")) for r in results]
@@ -233,8 +269,9 @@ def build(inputs, model_name, method, ratio, out_dir, device, dtype, chunk_size,
         for r in results:
             if r.status == "failed":
                 click.echo(printable(f"failed: {r.source}{f':{r.line}' if r.line else ''}: {r.error}"))
-        click.echo(f"{len(results)} packs in {out}: {report['built']} built, {report['up_to_date']} up to date, "
-                   f"{report['replaced']} replaced, {report['failed']} failed; {report['bytes_written']:,} bytes "
+        packs = report["built"] + report["up_to_date"] + report["replaced"]  # the files there; failed make none
+        click.echo(f"{packs} packs in {out}: {report['built']} built, {report['up_to_date']} up to date, "
+                   f"{report['replaced']} replaced; {report['failed']} failed; {report['bytes_written']:,} bytes "
                    f"written in {report['seconds']:.1f} s" + ("; interrupted" if interrupted else ""))
     if interrupted:
         click.echo("interrupted: the packs listed are written; run the same command again to resume", err=True)
@@ -260,7 +297,7 @@ def _bar(total: int):
               help="The head-score file to write (safetensors), e.g. heads.safetensors.")
 @click.option("--score", "scoring", type=click.Choice(SCORINGS), default="attention", show_default=True,
               help="KVzip's entry scores (attention) or KVzip+'s (plus).")
-@click.option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE, show_default=True,
+@click.option("--chunk-size", type=click.IntRange(min=1), default=S.DEFAULT_CHUNK_SIZE, show_default=True,
               help="Tokens per prefill and repeat-pass chunk.")
 @_model_options
 @_storage_options
@@ -271,6 +308,7 @@ def heads(inputs, model_name, out_file, scoring, chunk_size, device, dtype, stor
     pair scores the max of its entries' scores, maximised over the contexts. A few contexts of a few thousand
     tokens, of the kind of text to be compressed, are enough (arXiv 2505.23416, section 3.3).
     """
+    from .build import discover_contexts
     from .heads import head_scores, save_head_scores
 
     so = storage.parse_storage_options(storage_option)
@@ -292,34 +330,38 @@ def heads(inputs, model_name, out_file, scoring, chunk_size, device, dtype, stor
 
 
 @cli.command()
-@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False), metavar="FILE...")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per file (a list) instead of tables.")
+@click.argument("files", nargs=-1, required=True, metavar="FILE...")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON line per file instead of tables.")
 @_storage_options
 def info(files, as_json, storage_option):
-    """Describe .kvpack files: model, method, sizes, entries kept per layer.
+    """Describe .kvpack files: model, method, sizes, entries kept per layer. A FILE may be a folder (its packs,
+    recursively) or a URL.
 
     With several files, a bad one is reported (error: ...) and the others are described; the exit status is then 1.
     """
+    from .fileformat import read_index
+    from .listing import describe_pack, info_text, pack_files
+
     so = storage.parse_storage_options(storage_option)
+    files = pack_files(files, storage_options=so)
     if len(files) == 1 and not as_json:
         click.echo(info_text(files[0], storage_options=so))
         return
-    rows, failed = [], False
+    failed = False
     for i, file in enumerate(files):
         try:
             if as_json:
                 header, _ = read_index(file, storage_options=so)  # the header and index tensors only
-                rows.append({**describe_pack(file, header, storage_options=so), "error": None})
+                click.echo(json_text({**describe_pack(file, header, storage_options=so), "error": None}))
             else:
                 click.echo(("\n" if i else "") + f"== {file}")
                 click.echo(info_text(file, storage_options=so))
         except KvpackError as exc:
             failed = True
-            rows.append({"file": str(file), "error": str(exc)})
-            if not as_json:
+            if as_json:
+                click.echo(json_text({"file": str(file), "error": str(exc)}))
+            else:
                 click.echo(f"error: {printable(exc)}", err=True)
-    if as_json:
-        click.echo(json_text(rows, indent=1))
     if failed:
         sys.exit(1)
 
@@ -329,17 +371,20 @@ def info(files, as_json, storage_option):
 
 
 @cli.command()
-@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False), metavar="FILE...")
+@click.argument("files", nargs=-1, required=True, metavar="FILE...")
 @click.option("--model", "model_name", default=None, metavar="NAME_OR_PATH",
               help="Also check the packs fit this model (fingerprint and tokenizer) and would load into it (every key "
                    "and value in range).")
-@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON (a list, one object per file).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON line per file.")
 @_model_options
 @_storage_options
 def verify(files, model_name, as_json, device, dtype, storage_option):
     """Check .kvpack files' integrity (and, with --model, that they fit the model); exit status 1 if any fails.
-    FILE may be a URL."""
+    A FILE may be a folder (its packs, recursively) or a URL."""
+    from .listing import pack_files, verify_report
+
     so = storage.parse_storage_options(storage_option)
+    files = pack_files(files, storage_options=so)
     model = tokenizer = None
     reports = []
     for f in files:
@@ -348,6 +393,9 @@ def verify(files, model_name, as_json, device, dtype, storage_option):
         r = verify_report(f, storage_options=so, keep_pack=model_name is not None)
         header, pack = r.pop("header", None), r.pop("pack", None)
         if r["ok"] and model_name is not None:
+            from .build import check_compatible
+            from .loading import check_kv_range
+
             if model is None:  # loaded at the first intact file; a model that cannot load is the command's error
                 model, tokenizer = _load(model_name, device, dtype)
             try:
@@ -359,6 +407,7 @@ def verify(files, model_name, as_json, device, dtype, storage_option):
         del header, pack
         reports.append(r)
         if as_json:
+            click.echo(json_text(r))
             continue
         if r["ok"]:
             click.echo(f"OK: {r['file']} is intact (kvpack format v{r['format_version']}, {r['bytes']:,} bytes, "
@@ -367,8 +416,6 @@ def verify(files, model_name, as_json, device, dtype, storage_option):
                 click.echo(f"OK: {r['file']} fits model {model_name} (architecture, weights and tokenizer match)")
         else:
             click.echo(f"error: {printable(r['error'])}", err=True)
-    if as_json:
-        click.echo(json_text(reports, indent=1))
     if not all(r["ok"] for r in reports):
         sys.exit(1)
 
@@ -379,7 +426,7 @@ def verify(files, model_name, as_json, device, dtype, storage_option):
 
 @cli.command(name="ls")
 @click.argument("folder", type=click.Path(file_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per pack (a list).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON line per pack.")
 @_storage_options
 def ls(folder, as_json, storage_option):
     """List the packs under FOLDER (a build's --out): pack, source, method (with the options that differ from its
@@ -388,10 +435,13 @@ def ls(folder, as_json, storage_option):
     Only headers are read (fast); use verify to check every checksum. Exit status 1 if some pack is unreadable
     (each is listed, and why is printed on stderr).
     """
+    from .listing import list_packs, method_label
+
     rows = list_packs(folder, storage_options=storage.parse_storage_options(storage_option))
     bad = [r for r in rows if r["error"] is not None]
     if as_json:
-        click.echo(json_text(rows, indent=1))
+        for r in rows:
+            click.echo(json_text(r))
     else:
         table = [(r["pack"], (r["source"] or {}).get("name") or "?", method_label(r["method"], r["method_params"]),
                   f"{r['ratio']:g}" if isinstance(r["ratio"], (int, float)) else "?", str(r["quant"] or "none"),
@@ -427,7 +477,7 @@ def ls(folder, as_json, storage_option):
               help="Seed for sampling (with --temperature).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per answer (JSON lines) with tokens, seconds, tokens/s and load time.")
-@click.option("--dequantize", type=click.Choice(DEQUANTIZE), default="at-load", show_default=True,
+@click.option("--dequantize", type=click.Choice(S.DEQUANTIZE), default="at-load", show_default=True,
               help="For a --quant pack: dequantize its rows once at load, or keep the codes in memory (about 3x "
                    "less than bf16 rows at int4) and read them in the CUDA decode kernel (on CPU: slow, every step "
                    "dequantizes). An unquantized pack loads the same either way.")
@@ -443,6 +493,11 @@ def ask(file, questions, model_name, max_new_tokens, temperature, seed, as_json,
 
     A QUESTION of - reads questions from stdin, one per line (blank lines skipped).
     """
+    from .fileformat import fetched, read_header
+    from .generation import answer
+    from .loading import load, parse_size
+    from .model import REFERENCE_MODEL_NAME, model_for_pack
+
     t0 = time.perf_counter()
     max_bytes = parse_size(max_memory, "--max-memory") if max_memory is not None else None
     with fetched(file, storage.parse_storage_options(storage_option)) as source:  # a URL: one request
@@ -466,7 +521,7 @@ def ask(file, questions, model_name, max_new_tokens, temperature, seed, as_json,
             click.echo(printable(a.text, keep=_TEXT_KEEP))
 
 
-#: Characters of questions and answers printed as they are (terminal controls are escaped: ``listing.printable``).
+#: Characters of questions and answers printed as they are (terminal controls are escaped: ``terminal.printable``).
 _TEXT_KEEP = "\n\t"
 
 
@@ -518,7 +573,8 @@ def _csv(kind, name):
               help="Which of needle,multiquery,continuation,speed,memory to run [default: all].")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-out", show_default=True,
               help="Folder for results.json, results.md and the PNG plots.")
-@click.option("--quick", is_flag=True, help="A smoke run (about a minute on 2 cores); options above still apply.")
+@click.option("--quick", is_flag=True, help="A smoke run (about 30 s on 2 idle CPU cores, measured: BENCHMARKS.md); options above "
+                                      "still apply.")
 @click.option("--model", "model_name", default=None, metavar="NAME_OR_PATH", help=_MODEL_HELP)
 @click.option("--peer", type=click.Choice(["kvpress"]), default=None,
               help="Also run NVIDIA kvpress (KVzip, SnapKV, StreamingLLM presses) on the same contexts, in its own "

@@ -10,29 +10,27 @@ import torch
 
 from . import __version__
 from . import constants as C
+from . import settings as S
 from .errors import InputError
 from .fingerprint import model_fingerprint
 from .generation import check_text
 from .layout import chat_layout
 from .methods import get_method
 from .methods.base import gather
-from .model import model_spec
+from .model import model_spec, resolve_kv_dtype
 from .pack import Pack
 from .prefill import prefill
 from .stats import AttentionRecorder
 from .quant import check_quant_args, quantize_pack
+from .settings import DEFAULT_CHUNK_SIZE, DEFAULT_RATIO
 
-__all__ = ["compress", "assemble_pack", "prefill_recorder", "max_context_tokens", "DEFAULT_RATIO",
-           "DEFAULT_CHUNK_SIZE"]
-
-DEFAULT_RATIO = 0.3
-DEFAULT_CHUNK_SIZE = 2048
+__all__ = ["compress", "assemble_pack", "prefill_recorder", "max_context_tokens"]
 
 
 def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float = DEFAULT_RATIO,
              chunk_size: int = DEFAULT_CHUNK_SIZE, source_name: str = "<text>",
              progress: Callable[[int], None] | None = None, quant: str = C.QUANT_NONE,
-             group_size: int = C.DEFAULT_GROUP_SIZE,
+             group_size: int = S.DEFAULT_GROUP_SIZE, kv_dtype: str | torch.dtype | None = "auto",
              stage_seconds: dict[str, float] | None = None, **options) -> Pack:
     """Compress the KV cache of ``text`` for ``model`` (query-agnostic: any later question can be asked).
 
@@ -61,6 +59,10 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
             absolute errors go to ``metadata["stats"]["quant_error"]``.
         group_size: quantization group ``G``: 32 (default), 64 or 128 tokens per key group; values use
             ``min(G, head_dim)`` channels per group.
+        kv_dtype: the dtype the pack stores its full-precision keys and values in: ``"auto"`` (default: the
+            model's native 16-bit dtype, ``kvpack.model.resolve_kv_dtype``), ``"float32"``, ``"bfloat16"`` or
+            ``"float16"``, whatever dtype the compute runs in. Scores, merges and quantization use the compute
+            dtype; only what is stored is cast.
         stage_seconds: if given, filled with the wall-clock seconds of each stage (CUDA synchronised):
             ``tokenize``, ``prefill`` (with the method's attention statistics), ``score``, ``select``,
             ``gather_merge`` (gathering the kept entries, D2O's merge, the metadata) and ``quantize``.
@@ -74,7 +76,7 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
         InputError: text that is not a non-empty ``str`` of UTF-8 text (``generation.check_text``), a
             ``source_name`` that is not a short ``str``, text longer than ``max_context_tokens(model)``, ratio outside (0, 1],
             chunk_size < 1, unknown method or option, unknown quant, group size not in (32, 64, 128) or not fitting
-            the head size, ``stage_seconds`` not a dict.
+            the head size, unknown ``kv_dtype``, ``stage_seconds`` not a dict.
         UnsupportedModelError: the model's architecture is not supported.
     """
     if not isinstance(source_name, str) or not source_name or len(source_name) > C.MAX_SHORT_TEXT:
@@ -94,8 +96,9 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
     scorer = get_method(method, {"chunk_size": chunk_size}, **options)
     ratio = scorer.kept_ratio(ratio)
     spec = model_spec(model)
+    storage_dtype = resolve_kv_dtype(kv_dtype, model)
     if quant != C.QUANT_NONE:
-        check_quant_args(quant, group_size, spec.head_dim, spec.head_dim, allowed_group_sizes=C.GROUP_SIZES)
+        check_quant_args(quant, group_size, spec.head_dim, spec.head_dim, allowed_group_sizes=S.GROUP_SIZES)
     device = next(model.parameters()).device
     clock = _StageClock(stage_seconds, device)
     layout = chat_layout(tokenizer)
@@ -124,7 +127,7 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
     pack = assemble_pack(model, tokenizer, text, scorer, ratio, full, keep, source_name)
     clock.lap("gather_merge")
     energy = recorder.mean_query_energy() if recorder is not None else None
-    pack = quantize_pack(pack, quant, group_size, energy)
+    pack = quantize_pack(pack, quant, group_size, energy).with_kv_dtype(storage_dtype)
     clock.lap("quantize")
     return pack
 

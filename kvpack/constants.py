@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
@@ -51,7 +49,6 @@ __all__ = [
     "CHECKSUM_SHA256",
     "CHECKSUM_XXH3",
     "CHECKSUMS",
-    "DEFAULT_CHECKSUM",
     "TENSOR_CHECKSUM_KEY",
     "CHECKSUM_HEX_LENGTH",
     "CHECKSUM_NAMES",
@@ -65,18 +62,15 @@ __all__ = [
     "LAYER_PARTS",
     "SECTION_HEADER",
     "SECTIONS",
-    "DTYPE_BY_CODE",
-    "CODE_BY_DTYPE",
+    "ITEMSIZE_BY_CODE",
     "FLOAT_CODES",
+    "KV_DTYPE_NAMES",
     "INDEX_INT_CODE",
     "F32_CODE",
     "INT32_MAX",
     "QuantType",
     "QUANT_NONE",
     "QUANT_TYPES",
-    "QUANT_CHOICES",
-    "GROUP_SIZES",
-    "DEFAULT_GROUP_SIZE",
     "MAX_GROUP_SIZE",
     "QUANT_INFO_KEYS",
     "QUANT_LAYOUT_COMPACT",
@@ -89,7 +83,6 @@ __all__ = [
     "COMPACT_PARTS",
     "MIN_KEY_BITS",
     "MAX_KEY_BITS",
-    "ALLOCATED_KEY_BITS",
     "QUANT_CODE_CODE",
     "CODEC_ZSTD",
     "FILTER_NONE",
@@ -100,16 +93,11 @@ __all__ = [
     "STORED_CODE",
     "ZSTD_MIN_LEVEL",
     "ZSTD_MAX_LEVEL",
-    "DEFAULT_ZSTD_LEVEL",
-    "SAVE_DEFAULT_ZSTD_LEVEL",
     "ZSTD_FRAME_MAGIC",
     "MAX_EXPANSION",
     "EXPANSION_FLOOR_BYTES",
     "ENTRY_TENSORS",
     "READ_CHUNK_BYTES",
-    "TEMP_INFIX",
-    "TEMP_RANDOM_BYTES",
-    "TEMP_FILE_MODE",
 ]
 
 # --- identity and version --------------------------------------------------------------------------------------
@@ -194,8 +182,6 @@ SHA256_HEX_LENGTH = 64
 CHECKSUM_SHA256 = "sha256"
 CHECKSUM_XXH3 = "xxh3"
 CHECKSUMS = (CHECKSUM_XXH3, CHECKSUM_SHA256)
-#: What ``kvpack build`` and ``kvpack.save`` write unless told otherwise.
-DEFAULT_CHECKSUM = CHECKSUM_XXH3
 #: The ``__metadata__`` key holding the tensor checksums of each algorithm.
 TENSOR_CHECKSUM_KEY = {CHECKSUM_SHA256: META_TENSOR_SHA256, CHECKSUM_XXH3: META_TENSOR_XXH3}
 #: Lowercase hex digits of one tensor checksum of each algorithm.
@@ -226,18 +212,16 @@ SECTION_HEADER = "header"
 SECTIONS = (SECTION_HEADER, TOKEN_IDS, HEAD_LENGTHS, KEYS, VALUES, POSITIONS)
 
 # --- dtypes ----------------------------------------------------------------------------------------------------
-#: safetensors dtype code -> torch dtype, for every code an index may name.
-DTYPE_BY_CODE = {
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "U8": torch.uint8,
-}
-CODE_BY_DTYPE = {dtype: code for code, dtype in DTYPE_BY_CODE.items()}
+#: safetensors dtype code -> bytes per element, for every code an index may name.
+ITEMSIZE_BY_CODE = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "I64": 8, "U8": 1}
+#: ``DTYPE_BY_CODE`` (code -> torch dtype, for the same codes) and ``CODE_BY_DTYPE`` (its inverse) are made on first
+#: use by ``__getattr__`` below: they import torch, which reading a header never needs.
+_TORCH_DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I32": "int32", "I64": "int64",
+                      "U8": "uint8"}
 #: Codes allowed for keys and values.
 FLOAT_CODES = ("F32", "F16", "BF16")
+#: The dtype names (``--kv-dtype``) of the float codes.
+KV_DTYPE_NAMES = {code: _TORCH_DTYPE_NAMES[code] for code in FLOAT_CODES}
 #: Code of token_ids, head_lengths and positions.
 INDEX_INT_CODE = "I32"
 #: Code of ``ATTN_BIAS`` and of ``QUANT_GRID``.
@@ -268,11 +252,6 @@ QUANT_TYPES = {
     "int8": QuantType("int8", 8, 1),
     "int4": QuantType("int4", 4, 2),
 }
-#: What ``--quant`` accepts.
-QUANT_CHOICES = (QUANT_NONE, "int8", "int4")
-#: Group sizes ``kvpack.compress`` and ``kvpack build --group-size`` accept; 32 is KIVI's default.
-GROUP_SIZES = (32, 64, 128)
-DEFAULT_GROUP_SIZE = 32
 #: Largest group size a reader accepts (any integer in ``[1, MAX_GROUP_SIZE]`` is a valid file).
 MAX_GROUP_SIZE = 65536
 #: Keys of the ``META_QUANT`` object.
@@ -294,8 +273,6 @@ QUANT_GRID = "quant_grid"
 COMPACT_PARTS = (KEY_CODES, KEY_BITS, KEY_PARAMS, VALUE_CODES, VALUE_PARAMS, QUANT_GRID)
 #: Widths a compact key channel may have, in bits.
 MIN_KEY_BITS, MAX_KEY_BITS = 1, 8
-#: Widths the compact writer allocates from (``kvpack.compact.allocate_widths``).
-ALLOCATED_KEY_BITS = (2, 8)
 #: dtype code of the codes and of the 8-bit group parameters.
 QUANT_CODE_CODE = "U8"
 
@@ -316,10 +293,6 @@ STORED_CODE = "U8"
 #: zstd levels ``kvpack.save`` accepts; 0 means no compression.
 ZSTD_MIN_LEVEL = 1
 ZSTD_MAX_LEVEL = 22
-#: ``kvpack build --zstd-level`` default.
-DEFAULT_ZSTD_LEVEL = 3
-#: ``kvpack.save`` / ``pack_to_bytes`` default: raw tensors (any safetensors tool reads them).
-SAVE_DEFAULT_ZSTD_LEVEL = 0
 #: The first 4 bytes of a zstd frame (0xFD2FB528 little-endian).
 ZSTD_FRAME_MAGIC = b"\x28\xb5\x2f\xfd"
 #: Decompression-bomb guard (``format/SPEC.md`` §6): an encoded tensor other than ``ENTRY_TENSORS`` may decode to at
@@ -336,15 +309,17 @@ ENTRY_TENSORS = (POSITIONS, ATTN_BIAS)
 #: Bytes a reader holds at once while checksumming or decoding a tensor (``verify``'s whole working buffer).
 READ_CHUNK_BYTES = 8 << 20
 
-# --- saving ----------------------------------------------------------------------------------------------------
-#: ``save`` writes ``<target name>.tmp.<pid>.<random>`` first (matched by ``*.kvpack.tmp*`` in .gitignore); the
-#: next save or build in that folder removes such files whose writer process is gone.
-TEMP_INFIX = ".tmp."
-#: Random bytes (hex-encoded) in the temporary name, so concurrent writers never collide.
-TEMP_RANDOM_BYTES = 4
-#: Mode the temporary file is created with (before the umask), as for ``open(path, "wb")``.
-TEMP_FILE_MODE = 0o666
-
 #: Longest string accepted in the short metadata fields (method, version, source name and hash), in characters
-#: (``kvpack.validate.metadata_problem``; ``kvpack.compress`` refuses a longer ``source_name``).
+#: (``kvpack.rules.metadata_problem``; ``kvpack.compress`` refuses a longer ``source_name``).
 MAX_SHORT_TEXT = 1024
+
+
+def __getattr__(name: str):
+    """``DTYPE_BY_CODE`` and ``CODE_BY_DTYPE`` (torch dtypes), made when code that builds tensors first asks."""
+    if name in ("DTYPE_BY_CODE", "CODE_BY_DTYPE"):
+        import torch
+
+        by_code = {code: getattr(torch, dtype) for code, dtype in _TORCH_DTYPE_NAMES.items()}
+        globals().update(DTYPE_BY_CODE=by_code, CODE_BY_DTYPE={dtype: code for code, dtype in by_code.items()})
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,6 +17,8 @@ __all__ = ["model_fingerprint", "tokenizer_sha256", "weights_sha256", "check_fin
 _INFORMATIVE = ("dtype", "name")
 
 _SAMPLES_PER_TENSOR = 64
+#: Largest integer range float32 counts exactly (2^24).
+_FLOAT32_EXACT = 1 << 24
 
 
 def tokenizer_sha256(tokenizer) -> str:
@@ -52,11 +54,22 @@ def weights_sha256(model) -> str:
         h.update(f"{name}:{tuple(tensor.shape)};".encode())
         if flat.numel() == 0 or not flat.is_floating_point():
             continue
-        idx = torch.linspace(0, flat.numel() - 1, min(_SAMPLES_PER_TENSOR, flat.numel())).long()
+        idx = _sample_indices(flat.numel())
         sample = flat[idx.to(flat.device)].to(torch.bfloat16).view(torch.int16).cpu().numpy()
         h.update(sample.tobytes())
     model._kvpack_weights_sha256 = h.hexdigest()
     return model._kvpack_weights_sha256
+
+
+def _sample_indices(numel: int) -> torch.Tensor:
+    """``min(64, numel)`` evenly spaced int64 indices into a flat tensor of ``numel`` elements, first and last included.
+
+    Up to 2^24 elements the indices are float32 ``linspace``'s (the packs written so far hash those); beyond, float32
+    cannot address every element (it rounded the last index of a 28,311,552-element embedding past the end), so the
+    spacing is computed in float64, exact to 2^53.
+    """
+    dtype = torch.float32 if numel <= _FLOAT32_EXACT else torch.float64
+    return torch.linspace(0, numel - 1, min(_SAMPLES_PER_TENSOR, numel), dtype=dtype).long()
 
 
 def model_fingerprint(model, tokenizer, kv_dtype: torch.dtype | None = None) -> dict[str, Any]:

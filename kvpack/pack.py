@@ -175,6 +175,20 @@ class Pack:
         """Entries kept over all layers and heads (sink entries included)."""
         return sum(layer.num_entries for layer in self.layers)
 
+    def with_kv_dtype(self, dtype: torch.dtype) -> "Pack":
+        """This pack with its full-precision keys and values (``LayerEntries.keys``/``values``) cast to ``dtype``,
+        the dtype a file stores them in.
+
+        Quantized rows (codes and their group parameters), positions, Attention Matching's float32 biases and the
+        metadata (whose fingerprint records the dtype the model computed in) are kept as they are. Returns ``self``
+        when nothing changes; ``self`` is never modified.
+        """
+        if all(layer.keys.dtype == dtype and layer.values.dtype == dtype for layer in self.layers):
+            return self
+        layers = [LayerEntries(l.keys.to(dtype), l.values.to(dtype), l.positions, l.head_lengths, l.quant, l.biases)
+                  for l in self.layers]
+        return Pack(self.token_ids, layers, self.sink_tokens, self.metadata)
+
 
 def head_row_pieces(entries: LayerEntries, dtype: torch.dtype | None = None,
                     bodies: tuple[torch.Tensor, torch.Tensor, list[int], list[int]] | None = None

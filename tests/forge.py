@@ -14,7 +14,7 @@ import struct
 import xxhash
 
 __all__ = ["canon", "split", "assemble", "restore", "i32", "f32", "with_length", "set_meta", "set_kvpack",
-           "set_entry", "set_codec", "stored", "with_f32_element"]
+           "set_entry", "set_codec", "stored", "with_float_element"]
 
 
 def canon(obj) -> bytes:
@@ -83,14 +83,17 @@ def stored(data: bytes, name: str) -> bytes:
     return buf[b:e]
 
 
-def with_f32_element(data: bytes, name: str, index: int, value: float) -> bytes:
-    """``data`` with element ``index`` (flat, in stored order) of its raw (unencoded) float32 tensor ``name`` set to
-    ``value`` (NaN and infinities too), re-signed: a file whose every format check passes."""
+def with_float_element(data: bytes, name: str, index: int, value: float) -> bytes:
+    """``data`` with element ``index`` (flat, in stored order) of its raw (unencoded) float tensor ``name`` (F32, F16
+    or BF16) set to ``value`` (NaN and infinities too), re-signed: a file whose every format check passes."""
     obj, _ = split(data)
-    assert obj[name]["dtype"] == "F32", "with_f32_element edits float32 tensors only"
+    dtype = obj[name]["dtype"]
+    assert dtype in ("F32", "F16", "BF16"), "with_float_element edits float tensors only"
     assert name not in json.loads(obj["__metadata__"].get("tensor_codecs", "{}")), "save with zstd_level=0"
     blob = bytearray(stored(data, name))
-    blob[4 * index : 4 * index + 4] = f32(value)
+    size = 4 if dtype == "F32" else 2
+    element = {"F32": f32(value), "F16": struct.pack("<e", value), "BF16": f32(value)[2:]}[dtype]
+    blob[size * index : size * index + size] = element
     return restore(data, {name: bytes(blob)})
 
 

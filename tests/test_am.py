@@ -13,7 +13,7 @@ import torch
 import kvpack
 from kvpack.attention import logit_mask, masked_attention
 from kvpack.errors import CorruptFileError, InputError
-from kvpack import fileformat
+from kvpack import validate
 from kvpack.fileformat import load_pack, pack_to_bytes
 from kvpack.generation import question_input_ids
 from kvpack.methods import get_method
@@ -197,12 +197,12 @@ def test_fitted_head_beats_the_selection_on_held_out_queries(shift):
 
 def _build(arch, **options):
     model, tok = tiny_model(arch)
-    return model, tok, kvpack.compress(model, tok, TEXT, method="am", ratio=0.3, chunk_size=40, **options)
+    return model, tok, kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="am", ratio=0.3, chunk_size=40, **options)
 
 
 def test_values_copy_keeps_exactly_kvzips_entries():
     model, tok, am = _build("llama", values="copy")
-    kvzip = kvpack.compress(model, tok, TEXT, method="kvzip", ratio=0.3, chunk_size=40)
+    kvzip = kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="kvzip", ratio=0.3, chunk_size=40)
     assert am.metadata["stats"]["layer_budgets"] == kvzip.metadata["stats"]["layer_budgets"]
     for a, b in zip(am.layers, kvzip.layers):
         for part in ("keys", "values", "positions", "head_lengths"):
@@ -232,7 +232,7 @@ def test_a_fit_with_values_the_loader_would_refuse_keeps_kvzips_selection(monkey
 
     monkeypatch.setattr(am_module, "fit_head", blown_up)
     model, tok, pack = _build("llama", held_out_check=False)
-    kvzip = kvpack.compress(model, tok, TEXT, method="kvzip", ratio=0.3, chunk_size=40)
+    kvzip = kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="kvzip", ratio=0.3, chunk_size=40)
     fit = pack.metadata["stats"]["fit"]
     assert fit["heads_rejected"] > 0 and fit["heads_rejected"] + fit["heads_unfitted"] == 4  # 2 layers x 2 heads
     for a, b in zip(pack.layers, kvzip.layers):
@@ -345,7 +345,7 @@ def test_sink_stays_exact():
     from kvpack.model import model_spec
 
     spec = model_spec(model)
-    kvzip = kvpack.compress(model, tok, TEXT, method="kvzip", ratio=0.3, chunk_size=40)
+    kvzip = kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="kvzip", ratio=0.3, chunk_size=40)
     for l in spec.compressed_layers:
         a, b = pack.layers[l], kvzip.layers[l]
         for h in range(pack.kv_heads):
@@ -445,7 +445,7 @@ def test_file_round_trip_and_hostile_biases(monkeypatch):
     with pytest.raises(InputError, match="biases"):
         pack_to_bytes(bad)
     # hostile files (written past the writer's own checks): a biases tensor one value short, or not finite
-    monkeypatch.setattr(fileformat, "pack_problem", lambda p: None)
+    monkeypatch.setattr(validate, "pack_problem", lambda p: None)  # the writer's check, read when it writes
     bad.layers[0].biases = pack.layers[0].biases[:-1]
     with pytest.raises(CorruptFileError, match="attn_bias.*one per entry"):
         load_pack(pack_to_bytes(bad))
@@ -460,7 +460,7 @@ def test_save_load_generate_with_biases(arch, dtype, tmp_path):
     model, tok = tiny_model(arch)
     if dtype != torch.float32:
         model = copy.deepcopy(model).to(dtype)
-    pack = kvpack.compress(model, tok, TEXT, method="am", ratio=0.3, chunk_size=40)
+    pack = kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="am", ratio=0.3, chunk_size=40)
     path = tmp_path / "am.kvpack"
     kvpack.save(pack, path)
     cache = kvpack.load(path, model, tokenizer=tok)
@@ -492,8 +492,8 @@ def test_kvzip_plus_scoring_gives_am_kvzip_plus_selection():
     """``scoring="plus"`` reaches AM through KVzip's repeat pass (which also records AM's queries): with the values
     copied, AM holds exactly KVzip+'s entries, a selection other than plain KVzip's."""
     model, tok, am = _build("llama", values="copy", scoring="plus", queries=64)
-    plus = kvpack.compress(model, tok, TEXT, method="kvzip", ratio=0.3, chunk_size=40, scoring="plus")
-    plain = kvpack.compress(model, tok, TEXT, method="kvzip", ratio=0.3, chunk_size=40)
+    plus = kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="kvzip", ratio=0.3, chunk_size=40, scoring="plus")
+    plain = kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="kvzip", ratio=0.3, chunk_size=40)
     for a, b in zip(am.layers, plus.layers):
         for part in ("keys", "values", "positions", "head_lengths"):
             assert torch.equal(getattr(a, part), getattr(b, part)), part

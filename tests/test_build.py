@@ -21,7 +21,7 @@ from kvpack.build import (
     run_build,
 )
 from kvpack.manifest import read_manifest
-from kvpack.sources import split_text
+from kvpack.inputs import split_text
 from kvpack.errors import InputError, ModelMismatchError
 from kvpack.fileformat import load_pack, read_header, verify
 
@@ -502,6 +502,35 @@ def test_split_cuts_long_contexts_at_paragraphs_into_valid_parts(tmp_path):
     plan = plan_build(ctxs, out, settings, model_id=ident)
     assert not plan.needs_model and plan.up_to_date == len(res)
     assert [r.name for r in run_build(plan)] == [r.name for r in res]
+
+
+def test_progress_ends_at_its_total_past_failures_and_split_parts(tmp_path):
+    """The bar counts the tokens to compress: not those of a context too long without --split (it fails before any
+    work); a split context's parts fill exactly its share; a resumed run reports a known failure's tokens."""
+    model, tok = _short_model(200)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a_long.txt").write_text(_long_text(6), encoding="utf-8")
+    (docs / "b_short.txt").write_text("Paragraph 0. A short note.\n", encoding="utf-8")
+    ctxs = discover_contexts([docs])
+    ident = {"name": "tiny", "local": True, "files_sha256": "0"}
+
+    def run(out, split):
+        bars = []
+        res = build(ctxs, model, tok, out_dir=tmp_path / out, ratio=0.3, chunk_size=64, split=split,
+                    model_id=ident, progress_factory=lambda **kw: bars.append(_Bar(**kw)) or bars[-1])
+        return res, bars
+
+    res, bars = run("plain", split=False)
+    assert [r.status for r in res] == ["failed", "built"] and res[0].tokens > 200
+    assert bars[0].total == bars[0].n == res[1].tokens  # 100%, the failed context not counted
+    again, bars = run("plain", split=False)  # resumed: the known failure keeps its tokens, nothing to build
+    assert [(r.status, r.tokens) for r in again] == [("failed", res[0].tokens), ("up_to_date", res[1].tokens)]
+    assert not bars
+    res, bars = run("split", split=True)
+    assert [r.status for r in res][-1] == "built" and len(res) >= 4 and all(r.status == "built" for r in res)
+    assert bars[0].total == bars[0].n  # ends at 100% although the parts' tokens add up to more than the whole
+    assert bars[0].total < sum(r.tokens for r in res)
 
 
 def test_split_text_rules():

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from kvpack.cli import cli
 from kvpack.fileformat import load_pack
 
-from .forge import with_f32_element
+from .forge import with_float_element
 from .tiny import TEXT, tiny_model
 
 NAMES = ["alpha", "beta", "gamma/q1", "gamma/3"]
@@ -79,7 +79,7 @@ def test_build_writes_one_pack_per_context_and_prints_a_summary(built):
         f"{n}.kvpack" for n in NAMES)
     assert re.search(r"pack\s+tokens\s+entries kept\s+bytes\s+seconds\s+status", result.stdout)
     assert _status(result) == dict.fromkeys(NAMES, "built")
-    assert "4 packs in" in result.stdout and "4 built, 0 up to date, 0 replaced, 0 failed" in result.stdout
+    assert "4 packs in" in result.stdout and "4 built, 0 up to date, 0 replaced; 0 failed" in result.stdout
     assert "compressing" in result.stderr  # the tqdm bar
 
 
@@ -161,7 +161,7 @@ def test_verify_and_ask_refuse_a_pack_with_nan_keys_without_a_traceback(built, m
     raw = tmp_path / "raw.kvpack"
     kvpack.save(pack, raw, zstd_level=0)
     bad = tmp_path / "nan.kvpack"  # layer 0's keys[1, 0] forged into a NaN (kvpack.save refuses to write one)
-    bad.write_bytes(with_f32_element(raw.read_bytes(), "keys", pack.layers[0].keys.shape[1], float("nan")))
+    bad.write_bytes(with_float_element(raw.read_bytes(), "keys", pack.layers[0].keys.shape[1], float("nan")))
     _run(["verify", str(bad)])
     res = _run(["verify", str(bad), "--model", models["llama"], "--device", "cpu"], code=1)
     assert "layer 0's keys hold values outside" in res.stderr
@@ -199,7 +199,7 @@ def test_build_rejects_bad_inputs_before_loading_the_model(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"txt": "oops"}\n', encoding="utf-8")
     res = _run(["build", str(bad), "--model", str(tmp_path / "no-model")], code=1)
-    assert res.stderr.startswith(f"error: no model folder at {str(tmp_path / 'no-model')!r}")
+    assert res.stderr.startswith(f"error: no model folder or GGUF file at {str(tmp_path / 'no-model')!r}")
 
     other = tmp_path / "doc.pdf"
     other.write_bytes(b"%PDF")
@@ -211,7 +211,7 @@ def test_build_rejects_bad_inputs_before_loading_the_model(tmp_path):
 def test_missing_model_folder_is_a_clean_error(docs, tmp_path):
     res = _run(["build", str(docs), "--model", str(tmp_path / "no-model"), "--device", "cpu",
                 "--out", str(tmp_path / "out")], code=1)
-    assert res.stderr.splitlines()[-1].startswith("error: no model folder at")
+    assert res.stderr.splitlines()[-1].startswith("error: no model folder or GGUF file at")
 
 
 def test_python_dash_m_and_version():

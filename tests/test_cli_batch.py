@@ -81,7 +81,7 @@ def test_build_a_real_tree_keeps_going_mirrors_names_and_exits_1(llama, tmp_path
     assert any(l.startswith("failed: m-long.txt: ") and "too long for this model (at most 3,840)" in l
                and "--split" in l for l in lines)
     assert any(l.startswith("failed: n-bin.txt: not text: it holds NUL bytes") for l in lines)
-    assert lines[-1].startswith(f"10 packs in {out}: 7 built, 0 up to date, 0 replaced, 3 failed; ")
+    assert lines[-1].startswith(f"7 packs in {out}: 7 built, 0 up to date, 0 replaced; 3 failed; ")  # 7 files
     assert "文档" in res.stderr  # the bar names the context being built
     records = read_manifest(out)
     assert records["m-long.kvpack"]["status"] == "failed" and records["a/notes.kvpack"]["status"] == "built"
@@ -93,13 +93,14 @@ def test_build_a_real_tree_keeps_going_mirrors_names_and_exits_1(llama, tmp_path
     by_pack = {c["pack"]: c for c in summary["contexts"]}
     assert by_pack["q/x_1-2.kvpack"]["source"] == "q.jsonl" and by_pack["q/x_1-2.kvpack"]["line"] == 2
     assert by_pack["0-empty.kvpack"]["error"].startswith("the file is empty")
+    assert by_pack["m-long.kvpack"]["tokens"] == records["m-long.kvpack"]["tokens"] > 3840  # as when it first failed
 
     (docs / "a" / "notes.txt").write_text(TEXT[:130], encoding="utf-8")
     third = json.loads(_run(base + ["--json"], code=1).stdout)
     assert {c["pack"]: c["status"] for c in third["contexts"]}["a/notes.kvpack"] == "replaced"
 
     fast = _run(base + ["--fail-fast", "--out", str(tmp_path / "fast")], code=1)
-    assert fast.stdout.splitlines()[-1].startswith("1 packs in") and not list((tmp_path / "fast").rglob("*.kvpack"))
+    assert fast.stdout.splitlines()[-1].startswith("0 packs in") and not list((tmp_path / "fast").rglob("*.kvpack"))
 
 
 def test_build_checks_out_and_model_before_loading_it(llama, tmp_path):
@@ -112,9 +113,9 @@ def test_build_checks_out_and_model_before_loading_it(llama, tmp_path):
     empty = tmp_path / "not-a-model"
     empty.mkdir()
     res = _run(["build", str(tmp_path / "d.txt"), "--model", str(empty)], code=1)
-    assert res.stderr == (f"error: {str(empty)!r} is a folder but holds no config.json, so it is not a Hugging Face "
-                          "model folder; pass the folder that holds config.json, the weights and the tokenizer (or "
-                          "kvpack-reference for the embedded model)\n")
+    assert res.stderr == (f"error: {str(empty)!r} is a folder but holds no config.json (nor a .gguf file), so it is "
+                          "not a model folder; pass the folder that holds config.json, the weights and the "
+                          "tokenizer, a GGUF file (or kvpack-reference for the embedded model)\n")
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}), encoding="utf-8")
@@ -186,18 +187,25 @@ def test_ls_info_and_verify_take_folders_and_several_files(llama, tmp_path):
     assert "no such folder" in _run(["ls", str(tmp_path / "missing")], code=1).stderr
     with pytest.raises(InputError, match="is a file, not a folder"):  # the CLI's argument parser refuses it first
         list_packs(out / "a.kvpack")
-    rows = json.loads(_run(["ls", str(out), "--json"], code=1).stdout)
+    rows = [json.loads(l) for l in _run(["ls", str(out), "--json"], code=1).stdout.splitlines()]  # JSON Lines
     assert [r["pack"] for r in rows] == ["a.kvpack", "junk.kvpack", "sub/b.kvpack"]
     assert rows[0]["bytes"] == (out / "a.kvpack").stat().st_size and rows[0]["model"] == llama
     assert rows[1]["error"] and rows[2]["source"]["name"] == "sub/b.md"
 
-    info = json.loads(_run(["info", str(out / "a.kvpack"), str(out / "sub" / "b.kvpack"), "--json"]).stdout)
+    info = [json.loads(l) for l in _run(["info", str(out / "a.kvpack"), str(out / "sub" / "b.kvpack"), "--json"]
+                                        ).stdout.splitlines()]
     assert [i["source"]["name"] for i in info] == ["a.txt", "sub/b.md"] and info[0]["method"] == "kvzip"
     text = _run(["info", str(out / "a.kvpack"), str(out / "junk.kvpack")], code=1)
     assert f"== {out / 'a.kvpack'}" in text.stdout and text.stderr.startswith("error: ")
     res = _run(["verify", str(out / "a.kvpack"), str(out / "junk.kvpack"), "--json"], code=1)
-    reports = json.loads(res.stdout)
+    reports = [json.loads(l) for l in res.stdout.splitlines()]
     assert [r["ok"] for r in reports] == [True, False] and reports[1]["error"]
+    res = _run(["verify", str(out), "--json"], code=1)  # a folder: its packs, recursively, in path order
+    assert [(Path(r["file"]).relative_to(out).as_posix(), r["ok"]) for r in map(json.loads, res.stdout.splitlines())
+            ] == [("a.kvpack", True), ("junk.kvpack", False), ("sub/b.kvpack", True)]
+    assert str(out / "sub" / "b.kvpack") in _run(["info", str(out / "sub")]).stdout
+    (tmp_path / "empty").mkdir()
+    assert "no .kvpack file in this folder" in _run(["verify", str(tmp_path / "empty")], code=1).stderr
     res = _run(["verify", str(out / "a.kvpack"), str(out / "sub" / "b.kvpack"), "--model", llama, "--device", "cpu"])
     assert res.stdout.count("is intact") == 2 and res.stdout.count("fits model") == 2
 
@@ -229,7 +237,7 @@ def test_ask_answers_several_questions_from_one_load(llama, tmp_path):
 def test_embedded_model_is_named_kvpack_reference_and_used_by_ask(tmp_path):
     (tmp_path / "d.txt").write_text("The secret code of Maria is 73914. " * 3, encoding="utf-8")
     _run(["build", str(tmp_path / "d.txt"), "--model", "kvpack-reference", "--out", str(tmp_path / "p")])
-    rows = json.loads(_run(["ls", str(tmp_path / "p"), "--json"]).stdout)
+    rows = [json.loads(l) for l in _run(["ls", str(tmp_path / "p"), "--json"]).stdout.splitlines()]
     assert rows[0]["model"] == "kvpack-reference"
     res = _run(["ask", str(tmp_path / "p" / "d.kvpack"), "What is the secret code of Maria?", "--max-new-tokens",
                 "24"])
@@ -283,12 +291,12 @@ def test_ctrl_c_prints_the_summary_so_far_and_exits_130(tmp_path):
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr and "Aborted" not in stderr
     last = stdout.strip().splitlines()[-1]
-    assert re.search(r"^\d+ packs in .*: \d+ built, 0 up to date, 0 replaced, 0 failed; .*; interrupted$", last), last
+    assert re.search(r"^\d+ packs in .*: \d+ built, 0 up to date, 0 replaced; 0 failed; .*; interrupted$", last), last
     assert "a.kvpack" in read_manifest(out)
 
 
 def test_tables_align_wide_characters():
-    from kvpack.listing import table
+    from kvpack.terminal import table
 
     assert table(("pack", "n"), [("文档", "1"), ("abcd", "22")], right=(1,)).splitlines() == [
         "pack   n", "文档   1", "abcd  22"]

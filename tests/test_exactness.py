@@ -23,7 +23,7 @@ def _question_logits(model, cache, q_ids):
 def _pack_and_cache(arch, ratio, tmp_path, chunk_size=32):
     """Compress, save to a file and load it back: the path users take."""
     model, tok = tiny_model(arch)
-    pack = kvpack.compress(model, tok, TEXT, ratio=ratio, chunk_size=chunk_size)
+    pack = kvpack.compress(model, tok, TEXT, kv_dtype="float32", ratio=ratio, chunk_size=chunk_size)
     kvpack.save(pack, tmp_path / f"{arch}.kvpack")
     cache = kvpack.load(tmp_path / f"{arch}.kvpack", model, tokenizer=tok)
     ids = question_input_ids(tok, cache, "What is the secret code of Alice?")[0].tolist()
@@ -77,7 +77,7 @@ def test_budget_is_exact_and_sink_is_kept(arch, tmp_path):
 
 def test_zero_entry_head_gives_no_nan():
     model, tok = tiny_model("llama")
-    pack = kvpack.compress(model, tok, TEXT, ratio=1.0, chunk_size=32)
+    pack = kvpack.compress(model, tok, TEXT, kv_dtype="float32", ratio=1.0, chunk_size=32)
     # empty head 0 of layer 1 entirely (not even the sink)
     layer = pack.layers[1]
     n0 = int(layer.head_lengths[0])

@@ -17,17 +17,17 @@ from kvpack.cli import cli
 from kvpack.compact import dequantize_compact, dequantized_range, dequantized_ranges
 from kvpack.errors import CorruptFileError, InputError
 from kvpack.fileformat import load_pack
-from kvpack.listing import json_text, printable
+from kvpack.terminal import json_text, printable
 from kvpack.loading import cache_from_pack
 
-from .forge import with_f32_element
+from .forge import with_float_element
 from .tiny import TEXT, tiny_model
 
 
 def _pack(quant="none"):
     """A llama tiny model, its tokenizer and a pack of TEXT; quantized ones have body rows in every layer."""
     model, tok = tiny_model("llama")
-    pack = kvpack.compress(model, tok, TEXT, ratio=0.9, quant=quant)
+    pack = kvpack.compress(model, tok, TEXT, ratio=0.9, quant=quant, kv_dtype="float32")
     assert quant == "none" or all(int(l.quant.body_lengths.sum()) > 0 for l in pack.layers)
     return model, tok, pack
 
@@ -80,7 +80,7 @@ def test_values_at_the_limit_load_the_writer_refuses_nan_and_a_forged_nan_file_i
             kvpack.save(pack, tmp_path / "bad.kvpack")
         assert not (tmp_path / "bad.kvpack").exists()
     bad = tmp_path / "nan.kvpack"  # the same file with the limit forged into a NaN: every format check passes
-    bad.write_bytes(with_f32_element(limit.read_bytes(), "values", 0, float("nan")))
+    bad.write_bytes(with_float_element(limit.read_bytes(), "values", 0, float("nan")))
     assert load_pack(bad).layers[0].values[0, 0].isnan()
     with pytest.raises(CorruptFileError, match="nan.kvpack: layer 0's values"):
         kvpack.load(bad, model, tokenizer=tok)

@@ -93,7 +93,7 @@ def _check_pack(model, tok, pack, method: Method, tmp_path, exact: bool):
 def test_every_method_builds_loads_and_generates_on_every_architecture(name, arch, tmp_path):
     model, tok = tiny_model(arch)
     required = required_options(name, arch)
-    pack = kvpack.compress(model, tok, TEXT, method=name, ratio=RATIO, chunk_size=40, **required)
+    pack = kvpack.compress(model, tok, TEXT, kv_dtype="float32", method=name, ratio=RATIO, chunk_size=40, **required)
     method = get_method(name, **required)
     assert pack.metadata["method"] == name and pack.metadata["method_params"] == get_method(
         name, {"chunk_size": 40}, **required).params()
@@ -105,7 +105,7 @@ def test_every_method_builds_loads_and_generates_on_every_architecture(name, arc
 @pytest.mark.parametrize("name, options", [(n, o) for n, opts in VARIANTS.items() for o in opts])
 def test_method_variants(name, options, tmp_path):
     model, tok = tiny_model("qwen2")
-    pack = kvpack.compress(model, tok, TEXT, method=name, ratio=RATIO, chunk_size=40, **options)
+    pack = kvpack.compress(model, tok, TEXT, kv_dtype="float32", method=name, ratio=RATIO, chunk_size=40, **options)
     method = get_method(name, **options)
     assert pack.metadata["method_params"] == get_method(name, {"chunk_size": 40}, **options).params()
     _check_pack(model, tok, pack, method, tmp_path,
@@ -546,8 +546,8 @@ def test_merge_arithmetic_on_hand_built_tensors():
 def test_d2o_without_merge_is_its_eviction_and_merging_changes_only_kept_rows():
     model, tok = tiny_model("llama")
     spec = model_spec(model)
-    evict = kvpack.compress(model, tok, TEXT, method="d2o", ratio=RATIO, merge="off")
-    merged = kvpack.compress(model, tok, TEXT, method="d2o", ratio=RATIO)
+    evict = kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="d2o", ratio=RATIO, merge="off")
+    merged = kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="d2o", ratio=RATIO)
     assert merged.metadata["method_params"]["merge"] == "keys+values"  # the paper's merge is the default
     stats = merged.metadata["stats"]["merge"]
     assert stats["merged"] > 0 and stats["merged"] + stats["dropped"] == \
@@ -574,7 +574,7 @@ def test_d2o_without_merge_is_its_eviction_and_merging_changes_only_kept_rows():
 def test_d2o_merge_values_changes_only_values_by_the_same_weights():
     model, tok = tiny_model("llama")
     spec = model_spec(model)
-    packs = {mode: kvpack.compress(model, tok, TEXT, method="d2o", ratio=RATIO, merge=mode)
+    packs = {mode: kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="d2o", ratio=RATIO, merge=mode)
              for mode in ("off", "values", "keys+values")}
     stats = {mode: p.metadata["stats"].get("merge") for mode, p in packs.items()}
     assert stats["off"] is None and stats["values"]["mode"] == "values"

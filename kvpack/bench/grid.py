@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import constants as C
+from .. import settings as S
 from ..cache import KvpackCache
 from ..errors import InputError
 from ..fileformat import save
@@ -30,7 +31,7 @@ from ..loading import load
 from ..methods import get_method
 from .specs import parse_method_spec
 from ..compress import assemble_pack, prefill_recorder
-from ..model import model_spec
+from ..model import model_spec, resolve_kv_dtype
 from ..pack import Pack
 from ..prefill import prefill
 from ..quant import quantize_pack
@@ -89,8 +90,8 @@ def expand_grid(methods: list[str], ratios: list[float], quants: list[str]) -> l
     for m in methods:
         parse_method_spec(m)  # a name, or name[key=value;...] (kvpack.bench.specs)
     for q in quants:
-        if q not in C.QUANT_CHOICES:
-            raise InputError(f"unknown quantization {q!r}; choose from: {', '.join(C.QUANT_CHOICES)}")
+        if q not in S.QUANT_CHOICES:
+            raise InputError(f"unknown quantization {q!r}; choose from: {', '.join(S.QUANT_CHOICES)}")
     for r in ratios:
         if not 0.0 < r <= 1.0:
             raise InputError(f"ratio {r!r} is outside (0, 1] (the fraction of KV entries kept)")
@@ -119,8 +120,8 @@ class BuiltPack:
 
 
 def build_variants(model, tokenizer, text: str, method: str, ratios: list[float], quants: list[str], *,
-                   chunk_size: int = 2048, group_size: int = C.DEFAULT_GROUP_SIZE, query_aware: bool = False,
-                   source_name: str = "<bench>", **options) -> list[BuiltPack]:
+                   chunk_size: int = 2048, group_size: int = S.DEFAULT_GROUP_SIZE, query_aware: bool = False,
+                   source_name: str = "<bench>", kv_dtype: str = "auto", **options) -> list[BuiltPack]:
     """Build ``method`` at every ratio x quant for ``text`` from one prefill and one scoring pass.
 
     Args:
@@ -133,6 +134,7 @@ def build_variants(model, tokenizer, text: str, method: str, ratios: list[float]
         chunk_size: prefill/scoring chunk in tokens (as ``kvpack.compress``).
         group_size: quantization group (as ``kvpack.compress``).
         query_aware: marks the variants as query-aware (the caller passes ``question=`` in ``options``).
+        kv_dtype: the stored KV dtype (as ``kvpack.compress``; default: the model's 16-bit dtype).
         **options: the method's parameters.
 
     Returns:
@@ -149,10 +151,12 @@ def build_variants(model, tokenizer, text: str, method: str, ratios: list[float]
     name, spec_options = parse_method_spec(method, validate=False)  # get_method checks them with ``options``
     scorer = get_method(name, {"chunk_size": chunk_size}, **spec_options, **options)
     kept = [scorer.kept_ratio(r) for r in ratios]
+    storage_dtype = resolve_kv_dtype(kv_dtype, model)
     if any(r < 1.0 for r in kept) and any(r >= 1.0 for r in kept):
         # kvpack.compress records no attention statistics at ratio 1.0, and a recorded prefill may differ from a
         # plain one in the last float bits (H2O, D2O): build the keep-everything ratios from their own prefill
-        kw = dict(chunk_size=chunk_size, group_size=group_size, query_aware=query_aware, source_name=source_name)
+        kw = dict(chunk_size=chunk_size, group_size=group_size, query_aware=query_aware, source_name=source_name,
+                  kv_dtype=kv_dtype)
         whole = build_variants(model, tokenizer, text, method, [1.0], quants, **kw, **options)
         part = build_variants(model, tokenizer, text, method, [r for r in kept if r < 1.0], quants, **kw, **options)
         out, j = [], 0
@@ -190,7 +194,7 @@ def build_variants(model, tokenizer, text: str, method: str, ratios: list[float]
         own = time.perf_counter() - t1
         for q in quants:
             t2 = time.perf_counter()
-            qp = quantize_pack(pack, q, group_size, energy)
+            qp = quantize_pack(pack, q, group_size, energy).with_kv_dtype(storage_dtype)
             out.append(BuiltPack(Variant(method, float(ratio) if method != "none" else 1.0, q, query_aware), qp,
                                  shared + own + time.perf_counter() - t2))
     return out
@@ -225,7 +229,7 @@ class OpenedPack:
 
 
 def open_variant(built: BuiltPack, model, tokenizer, folder: str | os.PathLike, *,
-                 zstd_level: int = C.DEFAULT_ZSTD_LEVEL) -> OpenedPack:
+                 zstd_level: int = S.DEFAULT_ZSTD_LEVEL) -> OpenedPack:
     """Save ``built.pack`` under ``folder`` with ``kvpack.save`` (zstd at ``zstd_level``) and load it back.
 
     The file is removed after loading (the cache holds its own tensors). Raises what ``kvpack.save`` and
