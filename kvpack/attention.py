@@ -33,6 +33,7 @@ import contextvars
 import torch
 import torch.nn.functional as F
 
+from .attention_math import attention_past_and_causal, flash
 from .errors import UnsupportedModelError
 from .stats import attention_with_column_sums, one_pass_applies, one_pass_attention, visible_mask
 from .varlen import packed_attention
@@ -118,39 +119,9 @@ def _scored_attention_flash(query, key, value, past: int, scaling, scores):
     """``scored_attention_dense`` with two unmasked flash calls (the past with the GQA group folded into the
     queries, so no key is copied; then the new keys causally) for the output and each query's log-sum-exp ``lse``,
     then the scores ``max_q exp(q . k * scaling - lse_q)`` (``update_max_scores``)."""
-    out, lse = _attention_past_and_causal(query, key, value, past, scaling)
+    out, lse = attention_past_and_causal(query, key, value, past, scaling)
     update_max_scores(scores, query, key, lse, scaling)
     return out.transpose(1, 2).contiguous()
-
-
-def _flash_folded(query, key, value, scaling):
-    """Unmasked CPU flash attention with the GQA group folded into the queries (keys are not repeated).
-
-    ``query``: ``[1, heads, q, d]``; ``key``, ``value``: ``[1, kv_heads, kv, d]``. Returns ``out``
-    ``[1, heads, q, d_v]`` and ``lse`` ``[1, heads, q]`` (float32 log-sum-exp of each query's logits)."""
-    _, heads, q_len, dim = query.shape
-    kv_heads = key.shape[1]
-    folded = query.reshape(1, kv_heads, (heads // kv_heads) * q_len, dim)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(folded, key, value, scale=scaling)
-    return out.reshape(1, heads, q_len, -1), lse.reshape(1, heads, q_len)
-
-
-def _attention_past_and_causal(query, key, value, past, scaling):
-    """CPU: queries (the last ``q`` keys) over ``past`` fully visible entries plus their own keys causally, as
-    two flash calls merged through their log-sum-exps. Returns ``out`` ``[1, heads, q, d_v]`` (query dtype) and
-    ``lse`` ``[1, heads, q]`` float32."""
-    group = query.shape[1] // key.shape[1]
-    new_k = key[:, :, past:].repeat_interleave(group, dim=1)
-    new_v = value[:, :, past:].repeat_interleave(group, dim=1)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, new_k, new_v, is_causal=True,
-                                                                         scale=scaling)
-    if past > 0:
-        out_past, lse_past = _flash_folded(query, key[:, :, :past], value[:, :, :past], scaling)
-        total = torch.logaddexp(lse, lse_past)
-        out = out * (lse - total).exp().unsqueeze(-1).to(out.dtype) \
-            + out_past * (lse_past - total).exp().unsqueeze(-1).to(out.dtype)
-        lse = total
-    return out, lse.float()
 
 
 def update_max_scores(scores, query, key, lse, scaling, hidden=None, weights=None):
@@ -202,9 +173,8 @@ def _scored_attention_fused(query, key, value, visible, scaling, scores, weights
     heads = query.shape[1]
     group = heads // key.shape[1]
     bias = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill_(~visible, float("-inf"))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1),
-        attn_mask=bias[None, None], scale=scaling)
+    out, lse = flash(query, key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1), scaling,
+                     mask=bias[None, None])
     hidden = ~visible[:, : scores.shape[1]]
     update_max_scores(scores, query, key, lse, scaling, hidden if bool(hidden.any()) else None, weights)
     return out.transpose(1, 2).contiguous()
@@ -259,15 +229,14 @@ def attention_with_lse(query, key, value, scaling, window=None):
     kv_len = key.shape[2]
     group = heads // key.shape[1]
     if query.device.type == "cpu" and (window is None or kv_len <= window):
-        out, lse = _attention_past_and_causal(query, key, value, kv_len - q_len, scaling)
+        out, lse = attention_past_and_causal(query, key, value, kv_len - q_len, scaling)
         return out.transpose(1, 2).contiguous(), lse
     k, v = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
     visible = visible_mask(q_len, kv_len, window, query.device)
     if query.device.type == "cpu":
         bias = torch.zeros(visible.shape, dtype=query.dtype).masked_fill_(~visible, float("-inf"))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, k, v, attn_mask=bias[None, None],
-                                                                             scale=scaling)
-        return out.transpose(1, 2).contiguous(), lse.float()
+        out, lse = flash(query, k, v, scaling, mask=bias[None, None])
+        return out.transpose(1, 2).contiguous(), lse
     return _attention_with_lse_explicit(query, k, v, visible, scaling)
 
 

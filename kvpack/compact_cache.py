@@ -31,11 +31,12 @@ import dataclasses
 
 import torch
 
-from .cache import PackedLayer, _laid_out_group
 from .errors import InputError
 from .pack import LayerEntries
+from .packed_layer import PackedLayer, lay_out_group
+from .quant import body_row_mask, quant_type
 
-__all__ = ["CompactLayer", "DEQUANTIZE", "kernel_runs_on", "compact_layout_problem", "check_on_the_fly"]
+__all__ = ["CompactLayer", "DEQUANTIZE", "kernel_runs_on", "compact_layout_problem", "check_on_the_fly", "compact_kernel_args"]
 
 #: Where a quantized pack's body rows are dequantized: once when the cache is laid out, or at every attention call.
 DEQUANTIZE = ("at-load", "on-the-fly")
@@ -64,6 +65,32 @@ def compact_layout_problem(entries: LayerEntries) -> str | None:
     return None
 
 
+def compact_kernel_args(entries, dtype: torch.dtype, device) -> dict:
+    """The arguments of ``kvpack.kernels.compact_decode_triton`` for one compact-layout layer (``format/SPEC.md``
+    §5.6), except ``q``, the tail and ``scale``: its full-precision rows (``entries.keys`` / ``values`` in
+    ``dtype``, with per-head offsets), its body rows' codes and parameters as stored (no dequantization), the
+    per-head body row and key group offsets, and its biases split between the two (``fp_biases``, ``q_biases``).
+
+    Raises ``InputError`` if the layer is not in the compact layout.
+    """
+    qr = entries.quant
+    if qr is None or qr.layout != "compact":
+        raise InputError("compact_kernel_args needs a layer quantized in the compact layout (kvpack build --quant)")
+    lengths, body = entries.head_lengths.long(), qr.body_lengths.long()
+    zero = torch.zeros(1, dtype=torch.int64)
+    groups = (body + qr.group_size - 1) // qr.group_size
+    args = dict(fp_keys=entries.keys.to(dtype), fp_values=entries.values.to(dtype),
+                fp_offsets=torch.cat([zero, (lengths - body).cumsum(0)]), key_codes=qr.key_codes,
+                key_bits=qr.key_bits, key_params=qr.key_params, value_codes=qr.value_codes,
+                value_params=qr.value_params, quant_grid=qr.quant_grid, q_offsets=torch.cat([zero, body.cumsum(0)]),
+                group_offsets=torch.cat([zero, groups.cumsum(0)]), group_size=qr.group_size,
+                bits=quant_type(qr.qtype).bits)
+    if entries.biases is not None:
+        in_body = body_row_mask(entries.head_lengths, qr.sink_lengths, qr.body_lengths)
+        args.update(fp_biases=entries.biases[~in_body].float(), q_biases=entries.biases[in_body].float())
+    return {k: v.to(device).contiguous() if torch.is_tensor(v) else v for k, v in args.items()}
+
+
 class CompactLayer(PackedLayer):
     """A ``PackedLayer`` whose quantized body rows stay compact (module doc); ``KvpackCache.from_pack`` builds it.
     The codes are format 1.0's compact layout (``format/SPEC.md`` §5.4: KIVI's grouping, arXiv 2402.02750 §3, with
@@ -79,7 +106,7 @@ class CompactLayer(PackedLayer):
 
     Attributes:
         compact: the arguments of ``kvpack.kernels.compact_decode_triton`` on ``device`` except the query, the tail
-            and the scale (``kvpack.varlen.compact_kernel_args``): full-precision rows ``[Nfp, head_dim]`` in
+            and the scale (``compact_kernel_args``): full-precision rows ``[Nfp, head_dim]`` in
             ``dtype`` with their per-head offsets, body codes ``[Q, head_dim x bits / 8]`` uint8, group parameters,
             grids, biases.
         entries: ``entries`` (codes as stored, on CPU), which ``materialized`` dequantizes.
@@ -92,8 +119,6 @@ class CompactLayer(PackedLayer):
     """
 
     def __init__(self, entries: LayerEntries, original_length: int, dtype: torch.dtype, device, sliding=False):
-        from .varlen import compact_kernel_args
-
         d, dv = entries.keys.shape[1], entries.values.shape[1]
         lengths = [int(n) for n in entries.head_lengths.tolist()]
         super().__init__(torch.empty(0, d, dtype=dtype, device=device), torch.empty(0, dv, dtype=dtype, device=device),
@@ -112,10 +137,16 @@ class CompactLayer(PackedLayer):
         """A full-precision ``PackedLayer`` of this layer's kept rows (dequantized now, on CPU, then moved to the
         cache's device), sharing this layer's tail tensors. ``[entries, head_dim]`` rows in the cache's dtype; a
         copy per call."""
-        (keys, values, positions, biases), = _laid_out_group([self.entries], self.dtype, self.device)
+        (keys, values, positions, biases), = lay_out_group([self.entries], self.dtype, self.device)
         full = PackedLayer(keys, values, positions, self.head_lengths, self.original_length, self.is_sliding, biases)
         full.keys, full.values = self.keys, self.values
         return full
+
+    def reads_codes(self, device: torch.device | str, window: int | None) -> bool:
+        """Whether attention on ``device`` with sliding ``window`` (``None``: none) reads the codes through
+        ``compact_attention``: no window, a layout the kernel takes (``kernel_problem`` is ``None``) and a device it
+        runs on (``kernel_runs_on``). Otherwise ``kvpack.varlen.packed_attention`` attends over ``materialized()``."""
+        return window is None and self.kernel_problem is None and kernel_runs_on(device)
 
     def compact_attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """The layer's last ``q`` tail tokens attending through ``kvpack.kernels.compact_decode_triton``, one call per
@@ -138,6 +169,10 @@ class CompactLayer(PackedLayer):
     def head_views(self):
         """As ``PackedLayer.head_views``, from a dequantized copy (slow: dequantizes the layer)."""
         return self.materialized().head_views()
+
+    def dense_views(self):
+        """As ``PackedLayer.dense_views``, from a dequantized copy (slow: dequantizes the layer)."""
+        return self.materialized().dense_views()
 
     def padded(self):
         """As ``PackedLayer.padded``, from a dequantized copy (slow: dequantizes the layer)."""

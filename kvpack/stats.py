@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from .attention_math import flash
 from .model import ModelSpec
 
 __all__ = ["AttentionRecorder", "attention_with_column_sums", "one_pass_attention", "one_pass_applies", "column_sums",
@@ -183,8 +184,7 @@ def _column_sums_flash(query, key, lse, scaling):
     rows = key.float().repeat_interleave(heads // kv_heads, dim=1).flip(2)  # [1, heads, kv, d], last key first
     cols = query.float().flip(2)  # [1, heads, q, d], last query first
     bias = (-lse.float()).flip(-1).unsqueeze(2).contiguous()  # [1, heads, 1, q]
-    _, log_sums = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(rows, cols, cols, is_causal=True,
-                                                                           attn_mask=bias, scale=scaling)
+    _, log_sums = flash(rows, cols, cols, scaling, causal=True, mask=bias)
     return log_sums[0].flip(-1).exp()
 
 

@@ -13,12 +13,14 @@ No row is copied and nothing is padded:
 
 * CUDA, one query token, no sliding window, triton installed: the Triton varlen decode kernel
   (``kvpack.kernels.varlen_decode_triton``), one program per KV head (and split) over its rows and the tail.
-* CPU, no sliding window: per KV head one call of torch's fused CPU flash kernel with the group's queries folded
-  into one ``[g x q, head_dim]`` block over the head's rows (a view of the packed tensor; ``beta`` as its additive
-  mask), and for the tail one folded flash call (one token) or a flash call over the earlier tail plus a causal
-  one over the queries' own keys; the parts are merged through their log-sum-exps. On CPU this beats masked SDPA
-  over padded heads, plain per-head products, nested-jagged SDPA and compiled flex_attention (BENCHMARKS.md,
-  "Packed cache").
+* CPU, no sliding window: torch's fused CPU flash kernel with each KV head's group of queries folded into one
+  ``[g x q, head_dim]`` block (``kvpack.attention_math.flash_folded``), over views of the packed rows (``beta`` as
+  the additive mask): one call for all heads when every head keeps the same entries (``PackedLayer.dense``: a
+  ``none`` pack, KVzip's prefill views), else one call per KV head. The tail is one folded flash call (one token)
+  or a flash call over the earlier tail plus a causal one over the queries' own keys; the two parts are merged
+  exactly through their log-sum-exps (``attention_math.merge_partials``). On CPU this beats masked SDPA over
+  padded heads, plain per-head products, nested-jagged SDPA and compiled flex_attention (BENCHMARKS.md, "Packed
+  cache").
 * a layer that keeps its quantized codes (``kvpack.compact_cache.CompactLayer``, ``dequantize="on-the-fly"``):
   ``kvpack.kernels.compact_decode_triton`` once per query token where Triton runs and there is no window, else the
   layer dequantized for this call and one of the paths here.
@@ -31,7 +33,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["packed_attention", "use_triton_for", "triton_decode", "compact_kernel_args"]
+from .attention_math import attention_past_and_causal, flash_folded, merge_partials
+
+__all__ = ["packed_attention", "use_triton_for", "triton_decode"]
 
 #: Logit elements of one head's block of queries (bounds memory for long continuations: 16M floats, 64 MB).
 LOGIT_BLOCK = 2**24
@@ -62,9 +66,7 @@ def packed_attention(query: torch.Tensor, layer, scaling: float, window: int | N
         ``[1, q, heads, head_dim_v]`` in the query's dtype (the layout transformers expects).
     """
     if getattr(layer, "compact", None) is not None:  # kvpack.compact_cache.CompactLayer: codes as stored
-        from .compact_cache import kernel_runs_on
-
-        if window is None and layer.kernel_problem is None and kernel_runs_on(query.device):
+        if layer.reads_codes(query.device, window):
             return layer.compact_attention(query, scaling)
         layer = layer.materialized()
     if use_triton_for(query, window):
@@ -75,36 +77,44 @@ def packed_attention(query: torch.Tensor, layer, scaling: float, window: int | N
 
 
 def _packed_attention_flash(query, layer, scaling):
-    """``packed_attention`` on CPU without a window: fused flash calls per KV head and for the tail, merged through
-    their log-sum-exps."""
-    from .attention import _attention_past_and_causal, _flash_folded
-
+    """``packed_attention`` on CPU without a window: fused flash calls (one for every head's rows when the layer is
+    ``dense``, else one per KV head) and one or two for the tail, merged through their log-sum-exps."""
     _, heads, q_len, dim = query.shape
-    kv_heads, tail = layer.num_kv_heads, layer.tail_length
-    group = heads // kv_heads
+    tail = layer.tail_length
     if q_len == 1:
-        out_t, lse_t = _flash_folded(query, layer.keys, layer.values, scaling)
+        out_t, lse_t = flash_folded(query, layer.keys, layer.values, scaling)
     else:
-        out_t, lse_t = _attention_past_and_causal(query, layer.keys, layer.values, tail - q_len, scaling)
+        out_t, lse_t = attention_past_and_causal(query, layer.keys, layer.values, tail - q_len, scaling)
+    if layer.kept == 0:  # no kept entry at all: the tail alone
+        return out_t.transpose(1, 2).contiguous()
+    dense = layer.dense_views()
+    if dense is not None:
+        keys, values, beta = dense
+        mask = None if beta is None else beta.expand(1, -1, (heads // layer.num_kv_heads) * q_len, -1)
+        out_c, lse_c = flash_folded(query, keys, values, scaling, mask)
+    else:
+        out_c, lse_c = _per_head_flash(query, layer, scaling)
+    out, _ = merge_partials(out_c, lse_c, out_t, lse_t)
+    return out.transpose(1, 2).contiguous()
+
+
+def _per_head_flash(query, layer, scaling):
+    """Each KV head's kept rows (views) through one folded flash call of its own: ``out`` ``[1, heads, q, d_v]`` and
+    ``lse`` ``[1, heads, q]`` float32 (zeros and ``-inf`` for a head with no rows)."""
+    _, heads, q_len, dim = query.shape
+    group = heads // layer.num_kv_heads
     outs, lses = [], []
     for h, (k, v, beta) in enumerate(layer.head_views()):
         n = k.shape[2]
         if n == 0:
-            outs.append(out_t.new_zeros(1, group, q_len, v.shape[-1]))
-            lses.append(lse_t.new_full((1, group, q_len), float("-inf")))
+            outs.append(query.new_zeros(1, group, q_len, v.shape[-1]))
+            lses.append(query.new_full((1, group, q_len), float("-inf"), dtype=torch.float32))
             continue
-        qh = query[:, h * group : (h + 1) * group].reshape(1, 1, group * q_len, dim)
         mask = None if beta is None else beta.expand(1, 1, group * q_len, n)
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, k, v, attn_mask=mask, scale=scaling)
-        outs.append(o.view(1, group, q_len, -1))
-        lses.append(lse.view(1, group, q_len))
-    out_c, lse_c = torch.cat(outs, dim=1), torch.cat(lses, dim=1)
-    total = torch.logaddexp(lse_c, lse_t)
-    if query.dtype != torch.float32:
-        out_c, out_t = out_c.float(), out_t.float()
-    out = out_c * (lse_c - total).exp_().unsqueeze_(-1)
-    out += out_t * (lse_t - total).exp_().unsqueeze_(-1)
-    return out.to(query.dtype).transpose(1, 2).contiguous()
+        o, lse = flash_folded(query[:, h * group : (h + 1) * group], k, v, scaling, mask)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
 
 
 def triton_decode(query: torch.Tensor, layer, scaling: float, validate: bool = False) -> torch.Tensor:
@@ -117,35 +127,6 @@ def triton_decode(query: torch.Tensor, layer, scaling: float, validate: bool = F
     out = varlen_decode_triton(query[0, :, 0], layer.kept_keys, layer.kept_values, layer.offsets, layer.keys[0],
                                layer.values[0], scaling, fp_biases=layer.biases, validate=validate)
     return out.view(1, 1, *out.shape)
-
-
-def compact_kernel_args(entries, dtype: torch.dtype, device) -> dict:
-    """The arguments of ``kvpack.kernels.compact_decode_triton`` for one compact-layout layer (``format/SPEC.md``
-    §5.6), except ``q``, the tail and ``scale``: its full-precision rows (``entries.keys`` / ``values`` in
-    ``dtype``, with per-head offsets), its body rows' codes and parameters as stored (no dequantization), the
-    per-head body row and key group offsets, and its biases split between the two (``fp_biases``, ``q_biases``).
-
-    Raises ``InputError`` if the layer is not in the compact layout.
-    """
-    from .errors import InputError
-    from .quant import body_row_mask, quant_type
-
-    qr = entries.quant
-    if qr is None or qr.layout != "compact":
-        raise InputError("compact_kernel_args needs a layer quantized in the compact layout (kvpack build --quant)")
-    lengths, body = entries.head_lengths.long(), qr.body_lengths.long()
-    zero = torch.zeros(1, dtype=torch.int64)
-    groups = (body + qr.group_size - 1) // qr.group_size
-    args = dict(fp_keys=entries.keys.to(dtype), fp_values=entries.values.to(dtype),
-                fp_offsets=torch.cat([zero, (lengths - body).cumsum(0)]), key_codes=qr.key_codes,
-                key_bits=qr.key_bits, key_params=qr.key_params, value_codes=qr.value_codes,
-                value_params=qr.value_params, quant_grid=qr.quant_grid, q_offsets=torch.cat([zero, body.cumsum(0)]),
-                group_offsets=torch.cat([zero, groups.cumsum(0)]), group_size=qr.group_size,
-                bits=quant_type(qr.qtype).bits)
-    if entries.biases is not None:
-        in_body = body_row_mask(entries.head_lengths, qr.sink_lengths, qr.body_lengths)
-        args.update(fp_biases=entries.biases[~in_body].float(), q_biases=entries.biases[in_body].float())
-    return {k: v.to(device).contiguous() if torch.is_tensor(v) else v for k, v in args.items()}
 
 
 def _tail_visibility(q_len: int, tail: int, window: int | None, device) -> torch.Tensor | None:

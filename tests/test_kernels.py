@@ -337,7 +337,8 @@ def test_compact_kernel_matches_the_cache_over_dequantized_rows(qtype, group, dt
     dequantizes (``KvpackCache.from_pack``) from the same layer, biases included."""
     from kvpack.cache import KvpackCache
     from kvpack.pack import Pack
-    from kvpack.varlen import _packed_attention_torch, compact_kernel_args
+    from kvpack.compact_cache import compact_kernel_args
+    from kvpack.varlen import _packed_attention_torch
 
     d, hkv, g = 32, 5, 3
     entries = _compact_layer(qtype, d, group, 7, biased)

@@ -176,7 +176,7 @@ def compact_case(a, group_size):
     (``kvpack.quant.quantize_pack``, uniform key widths, no sink), plus ``q`` and ``scale``."""
     from kvpack.pack import LayerEntries, Pack
     from kvpack.quant import quantize_pack
-    from kvpack.varlen import compact_kernel_args
+    from kvpack.compact_cache import compact_kernel_args
 
     off = a["fp_offsets"].tolist()
     lengths = [e - s for s, e in zip(off, off[1:])]

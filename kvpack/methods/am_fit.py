@@ -31,6 +31,7 @@ import math
 
 import torch
 
+from ..attention_math import flash_folded
 from .params import RIDGE_TARGETS
 
 __all__ = ["BETA_RANGE", "NNLS_ITERS", "RIDGE", "RIDGE_STEPS", "nnls_box", "least_squares",
@@ -202,13 +203,11 @@ def context_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.T
     """``(softmax(scaling Q K^T) V, logsumexp(scaling Q K^T))``: ``[n, dv]`` and ``[n]`` float32, unmasked, for
     ``queries`` ``[n, d]``, ``keys`` ``[T, d]``, ``values`` ``[T, dv]``: the target and shift of the mass matching
     (arXiv 2602.16284 §3.1-3.2, module docstring). On CPU one fused flash-attention call
-    (``kvpack.attention._flash_folded``; no ``[n, T]`` matrix) when keys and values have the same width, else the
+    (``kvpack.attention_math.flash_folded``; no ``[n, T]`` matrix) when keys and values have the same width, else the
     explicit product. Raises nothing beyond torch's errors for mismatched shapes."""
     q, k, v = queries.float(), keys.float(), values.float()
     if q.device.type == "cpu" and k.shape[-1] == v.shape[-1]:
-        from ..attention import _flash_folded
-
-        out, lse = _flash_folded(q[None, None], k[None, None], v[None, None], scaling)
+        out, lse = flash_folded(q[None, None], k[None, None], v[None, None], scaling)
         return out[0, 0], lse[0, 0]
     logits = (q @ k.T) * scaling
     lse = logits.logsumexp(dim=-1)
