@@ -154,7 +154,8 @@ class PackedLayer(CacheLayerMixin):
             heads, m = self.num_kv_heads, self.kept
             if self.dense and self.kept_keys.is_contiguous() and self.kept_values.is_contiguous():
                 b = None if self.biases is None else self.biases.reshape(1, heads, 1, m)
-                views = (self.kept_keys.view(1, heads, m, -1), self.kept_values.view(1, heads, m, -1), b)
+                views = (self.kept_keys.view(1, heads, m, self.kept_keys.shape[-1]),
+                         self.kept_values.view(1, heads, m, self.kept_values.shape[-1]), b)
             self._dense_views = views
         return self._dense_views or None
 

@@ -78,6 +78,52 @@ def test_packed_attention_matches_explicit_softmax_with_biases(path, q_len, tail
     torch.testing.assert_close(got.double(), _explicit(query, layer, 0.3), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("q_len,tail_extra", [(1, 0), (1, 4), (5, 2)])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("biased", [True, False])
+def test_dense_layer_attends_in_one_call_exactly(q_len, tail_extra, group, biased):
+    """Heads that keep the same entries (a ``none`` pack) take one flash call over ``[1, kv_heads, kept, d]`` views:
+    the same softmax as the explicit one, and bit for bit the per-head calls' output."""
+    layer = _layer([9, 9, 9], q_len, tail_extra, biased)
+    keys, values, beta = layer.dense_views()
+    assert keys.shape == (1, 3, 9, D) and keys.data_ptr() == layer.kept_keys.data_ptr()  # views, no copy
+    assert (beta is None) == (not biased)
+    query = torch.randn(1, q_len, group * 3, D).transpose(1, 2)
+    got = packed_attention(query, layer, 0.3)
+    torch.testing.assert_close(got.double(), _explicit(query, layer, 0.3), atol=2e-5, rtol=2e-5)
+    layer._dense_views = False  # force one call per KV head
+    assert torch.equal(packed_attention(query, layer, 0.3), got)
+
+
+def test_uneven_layer_has_no_dense_views():
+    assert _layer([3, 4], 1).dense_views() is None
+    assert _layer([0, 0], 1).dense_views() is not None  # every head empty: the tail alone is attended
+    query = torch.randn(1, 2, 1, D)
+    layer = _layer([0, 0], 1)
+    torch.testing.assert_close(packed_attention(query, layer, 0.3).double(), _explicit(query, layer, 0.3),
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_merge_partials_is_the_softmax_over_the_union():
+    from kvpack.attention_math import merge_partials
+
+    g = torch.Generator().manual_seed(3)
+    logits, values = torch.randn(2, 5, 12, generator=g) * 3, torch.randn(12, 4, generator=g)  # [heads, q, keys]
+
+    def part(sl):
+        lse = logits[..., sl].logsumexp(-1)
+        return logits[..., sl].softmax(-1) @ values[sl], lse
+
+    out, lse = merge_partials(*part(slice(0, 7)), *part(slice(7, 12)))
+    torch.testing.assert_close(out, logits.softmax(-1) @ values, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse, logits.logsumexp(-1))
+    empty = (torch.zeros(2, 5, 4), torch.full((2, 5), float("-inf")))  # a part with no visible key weighs nothing
+    out, lse = merge_partials(*empty, *part(slice(0, 12)))
+    torch.testing.assert_close(out, logits.softmax(-1) @ values, atol=1e-6, rtol=1e-6)
+    half, _ = merge_partials(*(t.bfloat16() if t.dim() == 3 else t for t in part(slice(0, 7))), *part(slice(7, 12)))
+    assert half.dtype == torch.bfloat16
+
+
 def test_biases_change_the_output_as_softmax_says():
     layer = _layer([5, 9], 1)
     query = torch.randn(1, 2, 1, D)
