@@ -23,10 +23,11 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from .compact_cache import DEQUANTIZE, CompactLayer, check_on_the_fly
+from .compact_cache import CompactLayer, check_on_the_fly
 from .errors import InputError
 from .pack import Pack
 from .packed_layer import PackedLayer, lay_out
+from .settings import DEQUANTIZE
 
 __all__ = ["PackedLayer", "KvpackCache", "require_model"]
 
@@ -140,7 +141,7 @@ class KvpackCache(Cache):
 
         Raises ``InputError`` if the pack has no layers, if a layer's tensors do not have the rows its head
         lengths (and, quantized, its sink and body lengths) call for, if ``dequantize`` is neither of
-        ``compact_cache.DEQUANTIZE``, or if ``"on-the-fly"`` is asked on CUDA where the kernel cannot read a layer
+        ``settings.DEQUANTIZE``, or if ``"on-the-fly"`` is asked on CUDA where the kernel cannot read a layer
         (no triton, or a group size / value width it does not take).
         """
         if not pack.layers:

@@ -33,7 +33,7 @@ class CodecError(ValueError):
 def allowed_filters(code: str) -> tuple[str, ...]:
     """Filters a tensor of dtype ``code`` may use: ``none``; ``shuffle`` for elements over one byte;
     ``delta_shuffle`` for ``I32``."""
-    itemsize = C.DTYPE_BY_CODE[code].itemsize
+    itemsize = C.ITEMSIZE_BY_CODE[code]
     return ((C.FILTER_NONE,) + ((C.FILTER_SHUFFLE,) if itemsize > 1 else ())
             + ((C.FILTER_DELTA_SHUFFLE,) if code == C.INDEX_INT_CODE else ()))
 
@@ -43,13 +43,13 @@ def writer_filter(name: str, code: str) -> str:
     elements, none for bytes."""
     if name == C.POSITIONS and code == C.INDEX_INT_CODE:
         return C.FILTER_DELTA_SHUFFLE
-    return C.FILTER_SHUFFLE if C.DTYPE_BY_CODE[code].itemsize > 1 else C.FILTER_NONE
+    return C.FILTER_SHUFFLE if C.ITEMSIZE_BY_CODE[code] > 1 else C.FILTER_NONE
 
 
 def encode(raw: bytes, code: str, filt: str, level: int) -> bytes:
     """Filter the little-endian bytes ``raw`` of a ``code`` tensor, then compress them into one zstd frame that
     declares its content size and carries a content checksum (``format/SPEC.md`` §6)."""
-    itemsize = C.DTYPE_BY_CODE[code].itemsize
+    itemsize = C.ITEMSIZE_BY_CODE[code]
     x = np.frombuffer(raw, dtype=np.uint8)
     if filt == C.FILTER_DELTA_SHUFFLE:
         v = x.view(np.uint32)

@@ -32,11 +32,11 @@ import numpy as np
 import torch
 
 from . import constants as C
+from . import settings as S
+from .rules import compact_values_problem, quant_type, quant_type_bits, value_group_size
 from .errors import InputError
 
 __all__ = [
-    "quant_type",
-    "value_group_size",
     "pack_codes",
     "unpack_codes",
     "body_row_mask",
@@ -57,7 +57,6 @@ __all__ = [
     "dequantized_ranges",
     "compact_shapes",
     "compact_problem",
-    "compact_values_problem",
 ]
 
 #: ``(32 + m) x 2**(e - 12)`` for scale codes ``e << 5 | m``: the multiplier of the column's scale base.
@@ -67,23 +66,6 @@ _TOP_MULTIPLIER = float(_SCALE_MULTIPLIERS[255])
 #: ``_SCALE_MULTIPLIERS`` with code 0 mapped to 0, as a numpy array: ``base x _CODE_MULTIPLIERS[code]`` is
 #: ``scale_table(base)[code]``.
 _CODE_MULTIPLIERS = np.concatenate([[0.0], _SCALE_MULTIPLIERS[1:].numpy()]).astype(np.float32)
-
-
-def quant_type(qtype: str) -> C.QuantType:
-    """The ``constants.QuantType`` named ``qtype`` (``"int8"`` or ``"int4"``).
-
-    Raises:
-        InputError: unknown name (``"none"`` is not a quantized type).
-    """
-    spec = C.QUANT_TYPES.get(qtype) if isinstance(qtype, str) else None
-    if spec is None:
-        raise InputError(f"unknown quantization {qtype!r}; use one of {list(C.QUANT_CHOICES)}")
-    return spec
-
-
-def value_group_size(group_size: int, head_dim_v: int) -> int:
-    """``Gv = min(G, head_dim_v)``: channels sharing one value scale and min."""
-    return min(int(group_size), int(head_dim_v))
 
 
 def pack_codes(codes: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -147,8 +129,8 @@ def compact_split(positions: torch.Tensor, head_lengths: torch.Tensor, sink_toke
     return sink, torch.where(rest >= group_size, rest, torch.zeros_like(rest))
 
 
-def allocate_widths(weights: torch.Tensor, mean_bits: int, low: int = C.ALLOCATED_KEY_BITS[0],
-                    high: int = C.ALLOCATED_KEY_BITS[1]) -> torch.Tensor:
+def allocate_widths(weights: torch.Tensor, mean_bits: int, low: int = S.ALLOCATED_KEY_BITS[0],
+                    high: int = S.ALLOCATED_KEY_BITS[1]) -> torch.Tensor:
     """Integer code widths ``[heads, channels]`` int64 in ``[low, high]``, each row summing to ``mean_bits x
     channels``, minimising ``sum_c weights[h, c] x 4**-width[h, c]`` per row.
 
@@ -343,11 +325,6 @@ def _key_codes(quants: list, widths: np.ndarray, groups: list[int], padded: torc
     return out.bitwise_and_(torch.from_numpy((1 << w) - 1)[:, None, :])
 
 
-def quant_type_bits(qtype: str) -> int:
-    """Bits per code of ``qtype`` (8 for ``"int8"``, 4 for ``"int4"``)."""
-    return C.QUANT_TYPES[qtype].bits
-
-
 def dequantize_compact(qr) -> tuple[torch.Tensor, torch.Tensor]:
     """The body rows of a compact-layout ``QuantizedRows``: keys ``[Q, head_dim]`` and values ``[Q, head_dim_v]``,
     float32, ``code x scale + min`` with the group's parameters from the layer's grids (``format/SPEC.md`` §5.4)."""
@@ -493,7 +470,7 @@ def quantize_compact(keys: torch.Tensor, values: torch.Tensor, body: torch.Tenso
     index = gidx[:, None].expand(-1, d)
     gmin = k.new_zeros(n_groups, d).scatter_reduce_(0, index, k, "amin", include_self=False)
     gmax = k.new_zeros(n_groups, d).scatter_reduce_(0, index, k, "amax", include_self=False)
-    if query_energy is None or spec.bits >= C.ALLOCATED_KEY_BITS[1]:
+    if query_energy is None or spec.bits >= S.ALLOCATED_KEY_BITS[1]:
         widths = torch.full((heads, d), spec.bits, dtype=torch.int64)
     else:
         range2 = k.new_zeros(heads, d).index_add_(0, head_of_group, (gmax - gmin) ** 2)
@@ -559,23 +536,3 @@ def compact_problem(qr, d: int, dv: int) -> str | None:
             got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             return f"quant.{name} must be {dtype} {list(shape)}, not {got}"
     return compact_values_problem(qr.key_bits.cpu().numpy()[None], qr.quant_grid.cpu().numpy()[None], qr.qtype, d)
-
-
-def compact_values_problem(widths: np.ndarray, grids: np.ndarray, qtype: str, d: int) -> str | None:
-    """The value checks of ``compact_problem`` for several layers at once (the reader's), on their key code widths
-    ``[layers, kv_heads, d]`` and grids ``[layers, 3, columns]`` (numpy; a file stores them so): widths in
-    ``[MIN_KEY_BITS, MAX_KEY_BITS]`` summing to ``bits x d`` per head; a finite grid with non-negative min steps and
-    scale bases. ``None`` if they pass, else the problem (naming the first bad layer)."""
-    bits = quant_type_bits(qtype)
-    bad = (widths < C.MIN_KEY_BITS).any(axis=(1, 2)) | (widths > C.MAX_KEY_BITS).any(axis=(1, 2))
-    if bad.any():
-        return f"layer {int(bad.argmax())}: key code widths must lie in [{C.MIN_KEY_BITS}, {C.MAX_KEY_BITS}] bits"
-    bad = (widths.sum(axis=2, dtype=np.int64) != bits * d).any(axis=1)
-    if bad.any():
-        return (f"layer {int(bad.argmax())}: each head's key code widths must sum to {bits * d} "
-                f"({qtype} x head_dim {d})")
-    bad = ~np.isfinite(grids).all(axis=(1, 2)) | (grids[:, 1:] < 0).any(axis=(1, 2))
-    if bad.any():
-        return (f"layer {int(bad.argmax())}: the quantization grid must be finite, with non-negative min steps "
-                "and scale bases")
-    return None

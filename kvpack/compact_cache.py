@@ -36,10 +36,7 @@ from .pack import LayerEntries
 from .packed_layer import PackedLayer, lay_out_group
 from .quant import body_row_mask, quant_type
 
-__all__ = ["CompactLayer", "DEQUANTIZE", "kernel_runs_on", "compact_layout_problem", "check_on_the_fly", "compact_kernel_args"]
-
-#: Where a quantized pack's body rows are dequantized: once when the cache is laid out, or at every attention call.
-DEQUANTIZE = ("at-load", "on-the-fly")
+__all__ = ["CompactLayer", "kernel_runs_on", "compact_layout_problem", "check_on_the_fly", "compact_kernel_args"]
 
 
 def kernel_runs_on(device: torch.device | str) -> bool:

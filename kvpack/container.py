@@ -1,5 +1,6 @@
 """The safetensors container of format 1.0 (``format/SPEC.md`` §2-4, §7-9): length prefix, canonical JSON header,
-flat data buffer; header parse and validation, tensor checksums, streaming reads, atomic writes.
+flat data buffer; header parse and validation, tensor checksums, streaming reads, the bytes a writer writes (the
+file itself is written by ``kvpack.storage.write_atomic``).
 
 This module knows nothing about KV caches: it hands the KV layout (``kvpack.fileformat``) a validated
 ``Container`` (the ``__metadata__`` strings, the tensor index in data order, the tensor checksums) and reads,
@@ -14,9 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
-import secrets
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -26,20 +25,17 @@ import xxhash
 
 from . import constants as C
 from .codecs import CodecError, allowed_filters, decode_zstd, iter_decoded
-from .source import RECOPY, REBUILD, Source
-from .errors import (ChecksumMismatchError, CorruptFileError, InputError, NotAKvpackFileError, TruncatedFileError,
+from .packbytes import RECOPY, REBUILD, Source
+from .errors import (ChecksumMismatchError, CorruptFileError, NotAKvpackFileError, TruncatedFileError,
                      UnsupportedVersionError)
 
 __all__ = ["TensorCodec", "TensorInfo", "Container", "parse_header", "parse_json_text", "has_lone_surrogate",
            "json_depth", "canonical", "check_tensor", "expansion_problem", "tensor_bytes", "stream_tensor",
-           "container_bytes",
-           "write_atomic", "remove_stale_temps"]
+           "container_bytes"]
 
 _UPGRADE = "upgrade kvpack (`pip install -U kvpack`)"
 _VERSION = re.compile(r"([1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})")
 _HEX = {a: re.compile(f"[0-9a-f]{{{n}}}") for a, n in C.CHECKSUM_HEX_LENGTH.items()}
-#: A temporary file of ``write_atomic``: ``<target>.tmp.<pid>.<8 hex digits>``.
-_TEMP_NAME = re.compile(r".+" + re.escape(C.TEMP_INFIX) + r"([0-9]{1,10})\.[0-9a-f]{%d}" % (2 * C.TEMP_RANDOM_BYTES))
 
 
 @dataclass(frozen=True)
@@ -62,7 +58,7 @@ class TensorInfo:
     """One tensor of the file, as the header describes it.
 
     Attributes:
-        dtype: the tensor's own dtype code (``constants.DTYPE_BY_CODE``).
+        dtype: the tensor's own dtype code (``constants.ITEMSIZE_BY_CODE``).
         shape: the tensor's own shape.
         offsets: ``(begin, end)`` byte offsets of its stored bytes in the data buffer.
         codec: ``None`` if stored raw; else how it is encoded (the index entry then says ``U8 [stored bytes]``).
@@ -81,7 +77,7 @@ class TensorInfo:
     @property
     def raw_nbytes(self) -> int:
         """Decoded bytes: ``numel x itemsize``."""
-        return math.prod(self.shape) * C.DTYPE_BY_CODE[self.dtype].itemsize
+        return math.prod(self.shape) * C.ITEMSIZE_BY_CODE[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -183,7 +179,7 @@ def parse_header(src: Source) -> Container:
         raise ChecksumMismatchError(f"{name}: section 'header' does not match its SHA-256: the file was altered or "
                                     f"damaged; {RECOPY}")
 
-    order = sorted(tensors, key=lambda t: (-C.DTYPE_BY_CODE[tensors[t].dtype].itemsize, t))
+    order = sorted(tensors, key=lambda t: (-C.ITEMSIZE_BY_CODE[tensors[t].dtype], t))
     end = 0
     for tname in order:
         info = tensors[tname]
@@ -335,14 +331,14 @@ def _entry_problem(entry: Any) -> str | None:
         return problem
     if type(offsets) is not list or len(offsets) != 2 or any(type(o) is not int or o < 0 for o in offsets):
         return "data_offsets must be two non-negative integers"
-    if offsets[1] - offsets[0] != math.prod(shape) * C.DTYPE_BY_CODE[dtype].itemsize:
+    if offsets[1] - offsets[0] != math.prod(shape) * C.ITEMSIZE_BY_CODE[dtype]:
         return f"data_offsets {offsets} do not span shape x itemsize bytes"
     return None
 
 
 def _dtype_shape_problem(dtype: Any, shape: Any) -> str | None:
-    if type(dtype) is not str or dtype not in C.DTYPE_BY_CODE:
-        return f"unknown dtype {str(dtype)[:20]!r} (known: {sorted(C.DTYPE_BY_CODE)})"
+    if type(dtype) is not str or dtype not in C.ITEMSIZE_BY_CODE:
+        return f"unknown dtype {str(dtype)[:20]!r} (known: {sorted(C.ITEMSIZE_BY_CODE)})"
     if type(shape) is not list or len(shape) > C.MAX_RANK:
         return f"the shape must be a list of at most {C.MAX_RANK} integers"
     for d in shape:
@@ -404,7 +400,7 @@ def _codec_problem(codec: Any) -> str | None:
         return f"the level must be an integer in [{C.ZSTD_MIN_LEVEL}, {C.ZSTD_MAX_LEVEL}]"
     if type(filt) is not str or filt not in allowed_filters(dtype):
         return f"filter {str(filt)[:20]!r} is not one of {list(allowed_filters(dtype))} for {dtype}"
-    want = math.prod(shape) * C.DTYPE_BY_CODE[dtype].itemsize
+    want = math.prod(shape) * C.ITEMSIZE_BY_CODE[dtype]
     if type(raw) is not int or raw != want or want == 0:
         return f"raw_bytes must be the tensor's size, shape x itemsize = {want} > 0"
     return None
@@ -494,7 +490,7 @@ def tensor_bytes(src: Source, box: Container, tname: str, keep: bool = True) -> 
     out = np.empty(info.raw_nbytes, dtype=np.uint8) if keep else None
     try:
         decode_zstd(lambda at, n: src.read(begin + at, n), info.nbytes, info.raw_nbytes, info.codec.filter,
-                    C.DTYPE_BY_CODE[info.dtype].itemsize, out)
+                    C.ITEMSIZE_BY_CODE[info.dtype], out)
     except CodecError as exc:
         raise CorruptFileError(f"{src.name}: tensor {tname!r}: {exc}; {RECOPY}") from None
     return out
@@ -514,7 +510,7 @@ def stream_tensor(src: Source, box: Container, tname: str, put, row: int = 1) ->
         CorruptFileError: the zstd frame is not one intact frame of exactly the declared size.
     """
     info = box.tensors[tname]
-    itemsize = C.DTYPE_BY_CODE[info.dtype].itemsize
+    itemsize = C.ITEMSIZE_BY_CODE[info.dtype]
     numel = info.raw_nbytes // itemsize
     step = max(1, C.READ_CHUNK_BYTES // (itemsize * row)) * row
     begin = box.header_bytes + info.offsets[0]
@@ -551,7 +547,7 @@ def container_bytes(metadata: dict[str, str], stored: dict[str, tuple[str, list[
         stored: tensor name -> ``(index dtype code, index shape, stored bytes)``.
         checksum: ``"xxh3"`` or ``"sha256"`` for the tensor checksums.
     """
-    order = sorted(stored, key=lambda t: (-C.DTYPE_BY_CODE[stored[t][0]].itemsize, t))
+    order = sorted(stored, key=lambda t: (-C.ITEMSIZE_BY_CODE[stored[t][0]], t))
     index, end = {}, 0
     for tname in order:
         code, shape, blob = stored[tname]
@@ -566,96 +562,3 @@ def container_bytes(metadata: dict[str, str], stored: dict[str, tuple[str, list[
     if not text.startswith(C.MAGIC):
         raise RuntimeError("internal error: a __metadata__ key sorts before 'format', so the header lost its magic")
     return len(text).to_bytes(C.LENGTH_PREFIX_BYTES, "little") + text, [stored[t][2] for t in order]
-
-
-def write_atomic(path: str | os.PathLike, chunks: list[bytes]) -> int:
-    """Write ``chunks`` to ``path`` atomically; return the bytes written.
-
-    First removes the folder's stale temporary files (``remove_stale_temps``). The bytes go to
-    ``<path>.tmp.<pid>.<random>`` in the same folder, are flushed and fsynced, and the file is renamed over ``path``
-    (``os.replace``); on any error the temporary file is removed and an existing ``path`` is left untouched.
-
-    Raises:
-        InputError: not a path, or the file cannot be created or written (missing folder, permission, disk full).
-    """
-    try:
-        target = os.fspath(path)
-    except TypeError as exc:
-        raise InputError(f"cannot save to {path!r}: expected a file path") from exc
-    folder = os.path.dirname(os.path.abspath(target))
-    remove_stale_temps(folder)
-    tmp = f"{target}{C.TEMP_INFIX}{os.getpid()}.{secrets.token_hex(C.TEMP_RANDOM_BYTES)}"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), C.TEMP_FILE_MODE)
-    except OSError as exc:
-        raise InputError(f"cannot save {target}: {exc.strerror or exc}; check that the folder exists and is "
-                         "writable") from exc
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException as exc:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        if isinstance(exc, OSError):
-            raise InputError(f"cannot save {target}: {exc.strerror or exc}; check the disk space and "
-                             "permissions") from exc
-        raise
-    _fsync_folder(folder)
-    return sum(len(c) for c in chunks)
-
-
-def remove_stale_temps(folder: str | os.PathLike) -> list[str]:
-    """Remove the temporary files of interrupted saves in ``folder``: names ``<target>.tmp.<pid>.<8 hex>`` whose
-    writer process ``pid`` is gone (``os.kill(pid, 0)`` finds no such process). Files of live processes (this one
-    included) are kept, so a concurrent writer never loses its file. Returns the removed paths; never raises."""
-    removed = []
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return removed
-    for fname in names:
-        m = _TEMP_NAME.fullmatch(fname)
-        if m is None or _alive(int(m.group(1))):
-            continue
-        path = os.path.join(folder, fname)
-        try:
-            os.remove(path)
-            removed.append(path)
-        except OSError:
-            pass
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists (or cannot be checked: then it is treated as alive)."""
-    if pid == os.getpid():
-        return True
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError, OverflowError):
-        return True  # exists but belongs to someone else, or unknown: keep its file
-    return True
-
-
-def _fsync_folder(folder: str) -> None:
-    """Best effort: make the rename durable (POSIX only)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -4,7 +4,7 @@
 ``kvpack.codecs`` holds zstd and the byte filters; ``kvpack.compact`` the quantization codec. This module maps a
 ``Pack`` to the format's tensors (each one over all layers, layer 0's part first) and back, and checks everything
 a container cannot know: the tensor set, dtypes and shapes (``_layout_problem``), the kvpack metadata
-(``validate.metadata_problem``) and, once the data is read, the tensors' contents (``_contents_problem``).
+(``rules.metadata_problem``) and, once the data is read, the tensors' contents (``_contents_problem``).
 
 Writing is deterministic (the same ``Pack`` and settings always give the same bytes). Reading validates every
 length, offset, shape, checksum and content rule before any tensor is handed out; every failure is a
@@ -16,28 +16,30 @@ memory-mapped, copy-on-write).
 
 from __future__ import annotations
 
-import bisect
 import io
 import json
 import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import torch
 
 from . import constants as C
+from . import settings as S
 from . import storage
 from .codecs import encode, writer_filter
-from .compact import compact_values_problem, quant_type, value_group_size
 from .container import (Container, TensorCodec, TensorInfo, container_bytes, expansion_problem, parse_header,
-                        parse_json_text, stream_tensor, tensor_bytes, write_atomic)
+                        parse_json_text, stream_tensor, tensor_bytes)
 from .errors import CorruptFileError, InputError
-from .pack import LayerEntries, Pack, QuantizedRows
-from .source import REBUILD, Source, SourceLike
-from .validate import kv_range_problem, metadata_problem, pack_problem
+from .packbytes import REBUILD, Source, SourceLike
+from .rules import compact_values_problem, metadata_problem, quant_type, value_group_size
+
+if TYPE_CHECKING:  # reading a header needs no tensor: torch is imported where tensors are made
+    import torch
+
+    from .pack import Pack
 
 __all__ = ["TensorCodec", "TensorInfo", "PackHeader", "pack_to_bytes", "check_storage_args", "save", "load_pack",
            "load_pack_and_header", "load_pack_placed", "read_header", "read_index", "PackIndex", "LayerIndex",
@@ -71,7 +73,7 @@ class PackHeader:
     file_bytes: int
     quant_type: str = C.QUANT_NONE
     group_size: int | None = None
-    checksum: str = C.DEFAULT_CHECKSUM
+    checksum: str = S.DEFAULT_CHECKSUM
 
     @property
     def quant_layout(self) -> str | None:
@@ -154,6 +156,10 @@ def check_storage_args(zstd_level: int, checksum: str) -> None:
 
 def _file_parts(pack: Pack, zstd_level: int, checksum: str) -> tuple[bytes, list[bytes]]:
     """The header bytes and the tensors' stored bytes in data order (see ``pack_to_bytes``)."""
+    import torch
+
+    from .validate import kv_range_problem, pack_problem
+
     problem = pack_problem(pack)
     if problem is None and not isinstance(pack.metadata, dict):
         problem = "pack.metadata must be a dict"
@@ -219,8 +225,8 @@ def _file_parts(pack: Pack, zstd_level: int, checksum: str) -> tuple[bytes, list
     return container_bytes(meta, stored, checksum)
 
 
-def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
-                  checksum: str = C.DEFAULT_CHECKSUM) -> bytes:
+def pack_to_bytes(pack: Pack, zstd_level: int = S.SAVE_DEFAULT_ZSTD_LEVEL,
+                  checksum: str = S.DEFAULT_CHECKSUM) -> bytes:
     """Serialise ``pack`` to the bytes of a format-1.0 ``.kvpack`` file (deterministic).
 
     Tensors (``format/SPEC.md`` §5): ``token_ids`` ``[tokens]`` and ``head_lengths`` ``[layers, kv_heads]`` int32;
@@ -241,27 +247,25 @@ def pack_to_bytes(pack: Pack, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
     Raises:
         InputError: the pack is inconsistent (``validate.pack_problem``), holds a key or value that is not finite
             or lies beyond +-MAX_KV_ABS (``validate.kv_range_problem``), its metadata breaks the reader's rules
-            (``validate.metadata_problem``) or is not plain JSON (or has a
+            (``rules.metadata_problem``) or is not plain JSON (or has a
             ``sink_tokens`` key), a bad ``zstd_level`` or ``checksum``.
     """
     head, blobs = _file_parts(pack, zstd_level, checksum)
     return head + b"".join(blobs)
 
 
-def save(pack: Pack, path: str | os.PathLike, zstd_level: int = C.SAVE_DEFAULT_ZSTD_LEVEL,
-         checksum: str = C.DEFAULT_CHECKSUM, *, storage_options: dict | None = None) -> int:
+def save(pack: Pack, path: str | os.PathLike, zstd_level: int = S.SAVE_DEFAULT_ZSTD_LEVEL,
+         checksum: str = S.DEFAULT_CHECKSUM, *, storage_options: dict | None = None) -> int:
     """Write ``pack`` to ``path`` atomically and return the bytes written: a local path through
-    ``container.write_atomic`` (temporary file, fsync, rename; stale temporary files of interrupted saves in that
-    folder are removed first), an fsspec URL (``s3://``, ``memory://``, ...) through ``kvpack.storage.write_atomic``
+    ``kvpack.storage.write_atomic`` (temporary file, fsync, rename; stale temporary files of interrupted saves in that
+    folder are removed first), an fsspec URL (``s3://``, ``memory://``, ...) through it too
     (one whole-object put on object stores, temporary name + move elsewhere) with ``storage_options``.
 
     Arguments as ``pack_to_bytes``. Raises ``InputError``: the pack cannot be written (see ``pack_to_bytes``) or
     the file cannot be created (missing folder, no permission, disk full, read-only protocol, missing backend).
     """
     head, blobs = _file_parts(pack, zstd_level, checksum)
-    if storage.is_url(path):
-        return storage.write_atomic(path, [head, *blobs], storage_options)
-    return write_atomic(storage.as_path(path), [head, *blobs])
+    return storage.write_atomic(path, [head, *blobs], storage_options)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -388,6 +392,7 @@ def read_index(source: SourceLike, *, storage_options: dict | None = None) -> tu
 
     Raises: the errors of ``read_header``; ``ChecksumMismatchError`` or ``CorruptFileError`` for those tensors.
     """
+    import torch
 
     with _opened(source, storage_options) as opened, Source(opened) as src:
         box = parse_header(src)
@@ -430,6 +435,7 @@ def load_pack_placed(source: SourceLike, *, dtype: torch.dtype | None = None, de
 
     Raises: the errors of ``load_pack``, and whatever ``before`` raises.
     """
+    import torch
 
     dev = torch.device(device)
     with _opened(source, storage_options, whole=True) as opened, Source(opened) as src:
@@ -468,6 +474,7 @@ def _placed(src: Source, box: Container, name: str, dtype: torch.dtype | None, d
     """Tensor ``name`` decoded straight into a new tensor of its shape in ``dtype`` (default: its own) on
     ``device``: each chunk is viewed in the stored dtype, shown to ``observe(first row, rows)`` and copied (cast)
     into place once."""
+    import torch
 
     info = box.tensors[name]
     own = C.DTYPE_BY_CODE[info.dtype]
@@ -496,14 +503,12 @@ class _RangeTracker:
 
     def __call__(self, r0: int, piece: torch.Tensor) -> None:
         r1 = r0 + piece.shape[0]
-        l = bisect.bisect_right(self.starts, r0) - 1  # the layer holding row r0 (after any without rows)
-        while l < len(self.low) and self.starts[l] < r1:
+        for l in range(len(self.low)):
             a, b = max(r0, self.starts[l]), min(r1, self.starts[l + 1])
             if a < b:
                 lo, hi = (float(x) for x in piece[a - r0 : b - r0].aminmax())
                 self.low[l] = _nan_or(min, self.low[l], lo)
                 self.high[l] = _nan_or(max, self.high[l], hi)
-            l += 1
 
     def ranges(self) -> dict[int, tuple[float, float]]:
         return {l: (self.low[l], self.high[l]) for l in range(len(self.low)) if self.starts[l + 1] > self.starts[l]}
@@ -668,6 +673,8 @@ def _contents_problem(header: PackHeader, a: dict[str, np.ndarray]) -> str | tup
 
 def _pack(header: PackHeader, data: dict[str, np.ndarray], sinks: np.ndarray, body: np.ndarray) -> Pack:
     """The ``Pack`` of a checked file: per-layer views of its tensors (``data``: their bytes)."""
+    import torch
+
     t = {name: torch.from_numpy(data[name]).view(C.DTYPE_BY_CODE[info.dtype]).reshape(info.shape) if info.raw_nbytes
          else torch.empty(info.shape, dtype=C.DTYPE_BY_CODE[info.dtype]) for name, info in header.tensors.items()}
     return _pack_of_tensors(header, t, sinks, body)
@@ -675,6 +682,10 @@ def _pack(header: PackHeader, data: dict[str, np.ndarray], sinks: np.ndarray, bo
 
 def _pack_of_tensors(header: PackHeader, t: dict[str, torch.Tensor], sinks: np.ndarray, body: np.ndarray) -> Pack:
     """The ``Pack`` of a checked file from its tensors ``t`` (each of its own shape): per-layer views of them."""
+    import torch
+
+    from .pack import LayerEntries, Pack, QuantizedRows
+
     lengths = t[C.HEAD_LENGTHS].to(torch.int64)
     per_layer = lengths.sum(dim=1).tolist()
     quantized = body.sum(axis=1).tolist()

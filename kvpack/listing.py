@@ -7,9 +7,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import unicodedata
 from typing import Any
 
 from . import constants as C
@@ -18,9 +16,9 @@ from . import storage
 from .fileformat import PackHeader, load_pack_and_header, read_header, read_index, verify
 from .manifest import read_manifest
 from .methods.params import PARAMS
+from .terminal import pairs, printable, table
 
-__all__ = ["describe_pack", "list_packs", "verify_report", "info_text", "table", "pairs", "printable", "json_text",
-           "method_label"]
+__all__ = ["describe_pack", "list_packs", "pack_files", "verify_report", "info_text", "method_label"]
 
 
 def method_label(method: Any, params: Any) -> str:
@@ -104,6 +102,25 @@ def list_packs(folder: str | os.PathLike, *, storage_options: dict | None = None
                                                                           else "")}
         rows.append({"pack": rel, **row, "error": None})
     return rows
+
+
+def pack_files(paths, *, storage_options: dict | None = None) -> list[str]:
+    """``paths`` (files, folders, URLs) as the pack files they name, in order: a file as given, a folder as the
+    ``.kvpack`` files under it (recursively, sorted by path, hidden entries skipped, as ``list_packs``).
+
+    Raises:
+        InputError: a folder holds no ``.kvpack`` file.
+    """
+    out = []
+    for path in paths:
+        if not storage.is_dir(path, storage_options):
+            out.append(str(path))
+            continue
+        found = [str(p) for p, _ in storage.walk_files(storage.as_path(path), (C.FILE_SUFFIX,), storage_options)]
+        if not found:
+            raise InputError(f"{path}: no {C.FILE_SUFFIX} file in this folder (searched recursively)")
+        out += found
+    return out
 
 
 def verify_report(path: str | os.PathLike, *, storage_options: dict | None = None, keep_pack: bool = False
@@ -289,66 +306,3 @@ def _head_rows(meta: dict, pack) -> list[tuple[str, str]]:
 
 def _short(digest) -> str:
     return f"{digest[:12]}..." if isinstance(digest, str) and len(digest) > 12 else str(digest or "-")
-
-
-#: Bidirectional controls: they reorder what a terminal shows (a name can display as another).
-_BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
-
-
-def _acts_on_terminal(c: str) -> bool:
-    return unicodedata.category(c) in ("Cc", "Cs", "Zl", "Zp") or c in _BIDI_CONTROLS
-
-
-def printable(text: Any, keep: str = "") -> str:
-    """``str(text)`` with every character a terminal could act on written as its Python escape (``\\x1b``,
-    ``\\u202e``): control characters (ESC, BEL, DEL, the C1 codes, newlines too unless in ``keep``), surrogates,
-    line and paragraph separators and the bidirectional controls. Header strings are untrusted and must not clear a
-    screen, retitle a window or reorder a line; other text (accents, CJK, no-break spaces, emoji sequences) is left
-    as it is. ``keep``: characters left as they are (``"\\n\\t"`` for a generated answer's lines). Raises
-    nothing."""
-    text = str(text)
-    if text.isprintable():
-        return text
-    return "".join(c.encode("unicode_escape", "backslashreplace").decode("ascii")
-                   if c not in keep and _acts_on_terminal(c) else c for c in text)
-
-
-def json_text(obj: Any, **dumps_kwargs) -> str:
-    """``json.dumps(obj, ensure_ascii=False, **dumps_kwargs)`` with the characters ``printable`` escapes that JSON
-    leaves raw (the C1 controls, DEL, surrogates, line and paragraph separators, bidirectional controls) written as
-    ``\\uXXXX``: the same JSON value, safe to print on a terminal, other text still readable. Raises what
-    ``json.dumps`` raises."""
-    out = json.dumps(obj, **{**dumps_kwargs, "ensure_ascii": False})
-    if out.isascii():
-        return out
-    return "".join(f"\\u{ord(c):04x}" if ord(c) >= 0x7f and _acts_on_terminal(c) else c for c in out)
-
-
-def pairs(rows) -> str:
-    """``key  value`` lines, keys padded to one width; every key and value through ``printable``."""
-    rows = [(printable(k), printable(v)) for k, v in rows]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
-
-def table(headers, rows, *, right=(), indent: str = "") -> str:
-    """A plain-text table: ``headers`` then ``rows``, columns padded (those in ``right`` right-aligned) to their
-    width on a terminal (East Asian wide characters count two columns); every cell through ``printable``."""
-    headers = [printable(h) for h in headers]
-    rows = [[printable(c) for c in r] for r in rows]
-    cols = list(zip(headers, *rows))
-    widths = [max(_width(str(c)) for c in col) for col in cols]
-
-    def cell(i: int, c, w: int) -> str:
-        pad = " " * (w - _width(str(c)))
-        return pad + str(c) if i in right else str(c) + pad
-
-    def line(cells):
-        return (indent + "  ".join(cell(i, c, w) for i, (c, w) in enumerate(zip(cells, widths)))).rstrip()
-
-    return "\n".join([line(headers)] + [line(r) for r in rows])
-
-
-def _width(text: str) -> int:
-    """Terminal columns of ``text``: wide and full-width characters take two."""
-    return sum(2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)

@@ -16,7 +16,7 @@ from .fingerprint import _cached_fingerprint, check_fingerprint
 from .errors import CorruptFileError, InputError, MemoryBudgetError, ModelMismatchError
 from .model import ModelSpec, model_spec
 from .pack import Pack
-from .source import REBUILD
+from .packbytes import REBUILD
 from .validate import kv_range_problem
 
 __all__ = ["load", "cache_from_pack", "check_shapes", "check_kv_range", "load_bytes", "available_memory",

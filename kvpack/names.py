@@ -15,12 +15,12 @@ so sources may be local files or URLs alike::
   refuse is replaced by ``_``: the characters ``< > : " / \\ | ? *``, control characters, unpaired surrogates (the
   bytes of a file name that is not UTF-8, as Python decodes them), trailing dots and spaces, a leading dot (a pack
   is never a hidden file, which ``kvpack ls`` would skip), and Windows' reserved device names (``CON``, ``NUL``,
-  ``COM1``, ...). Paths here are POSIX (``kvpack.sources`` turns a local Windows path into one first), so a backslash
+  ``COM1``, ...). Paths here are POSIX (``kvpack.inputs`` turns a local Windows path into one first), so a backslash
   is a character of a name (replaced by ``_``), never a folder separator. A component longer than 200 UTF-8 bytes is
   cut and given an 8-hex-digit hash of the whole name.
 * No two contexts get one pack: names are compared case-insensitively after Unicode NFC normalisation (so packs can
   sit side by side on macOS and Windows); within a clashing group the first context (in input order) keeps the name
-  and the others get ``-2``, ``-3``, ... (skipping names already taken). ``kvpack.sources`` names the contexts
+  and the others get ``-2``, ``-3``, ... (skipping names already taken). ``kvpack.inputs`` names the contexts
   that can be built before those that cannot, so a failed one never takes a good one's name.
 * A context too long for the model may be split into parts ``NAME.part-001``, ``NAME.part-002``, ...
 """

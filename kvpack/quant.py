@@ -18,11 +18,13 @@ from __future__ import annotations
 import torch
 
 from . import constants as C
-from .compact import (body_row_mask, compact_problem, compact_split, dequantize_compact, pack_codes, quant_type,
-                      quantize_compact, unpack_codes, value_group_size)
+from . import settings as S
+from .compact import (body_row_mask, compact_problem, compact_split, dequantize_compact, pack_codes,
+                      quantize_compact, unpack_codes)
 from .errors import InputError
 from .pack import (DequantizedBodies, LayerEntries, Pack, QuantizedRows, dequantize_bodies, dequantize_layer,
                    head_row_pieces)
+from .rules import quant_type, value_group_size
 
 __all__ = [
     "quant_type",
@@ -134,14 +136,14 @@ def layer_error_stats(original: LayerEntries, quantized: LayerEntries) -> dict:
     return out
 
 
-def quantize_pack(pack: Pack, qtype: str, group_size: int = C.DEFAULT_GROUP_SIZE,
+def quantize_pack(pack: Pack, qtype: str, group_size: int = S.DEFAULT_GROUP_SIZE,
                   query_energy: list[torch.Tensor] | None = None) -> Pack:
     """Quantize every layer of ``pack`` (``quantize_layer``) and record the error (export-time report).
 
     Args:
         pack: an unquantized pack (``kvpack.compress`` output).
         qtype: ``"int8"`` or ``"int4"`` (``"none"`` returns ``pack`` unchanged).
-        group_size: ``G``, one of ``constants.GROUP_SIZES`` for packs meant to be shared (any ``G`` >= 1 works).
+        group_size: ``G``, one of ``settings.GROUP_SIZES`` for packs meant to be shared (any ``G`` >= 1 works).
         query_energy: per layer ``[kv_heads, head_dim]`` mean squared queries (``kvpack.compress``
             records them during the prefill), for per-channel key code widths; ``None``: one width.
 

@@ -34,16 +34,17 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 import secrets
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable
 
-from . import constants as C
-from . import container
+from . import settings as S
 from .errors import InputError
 
 __all__ = ["is_url", "as_path", "join", "parent_of", "name_of", "stem_of", "open_read", "read_bytes", "file_size",
-           "is_file", "is_dir", "walk_files", "makedirs", "write_atomic", "write_method", "parse_storage_options"]
+           "is_file", "is_dir", "walk_files", "makedirs", "write_atomic", "write_method", "remove_stale_temps",
+           "parse_storage_options"]
 
 #: Protocols whose writes are one whole-object put (no cheap rename; objects appear only once complete).
 OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2", "tos", "cos",
@@ -332,8 +333,12 @@ def makedirs(path: str | os.PathLike, storage_options: dict | None = None) -> No
         raise _backend_error(path, "create the output folder", exc) from None
 
 
+#: A temporary file of ``write_atomic``: ``<target>.tmp.<pid>.<8 hex digits>``.
+_TEMP_NAME = re.compile(r".+" + re.escape(S.TEMP_INFIX) + r"([0-9]{1,10})\.[0-9a-f]{%d}" % (2 * S.TEMP_RANDOM_BYTES))
+
+
 def _temp_name(target: str) -> str:
-    return f"{target}{C.TEMP_INFIX}{os.getpid()}.{secrets.token_hex(C.TEMP_RANDOM_BYTES)}"
+    return f"{target}{S.TEMP_INFIX}{os.getpid()}.{secrets.token_hex(S.TEMP_RANDOM_BYTES)}"
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | memoryview | list[bytes],
@@ -341,8 +346,8 @@ def write_atomic(path: str | os.PathLike, data: bytes | memoryview | list[bytes]
     """Write ``data`` (bytes, or a list of byte chunks written in order) to ``path`` so that ``path`` never holds a
     partial file; return the bytes written.
 
-    The method per backend is in the module docstring (``write_method``): locally ``kvpack.container.write_atomic``
-    (temporary file, fsync, ``os.replace``; stale temporaries of dead writers removed first), one whole-object put
+    The method per backend is in the module docstring (``write_method``): locally a temporary file, fsync and
+    ``os.replace`` (``_write_local``; stale temporaries of dead writers removed first), one whole-object put
     on object stores, temporary name + ``fs.mv`` elsewhere. On an error the temporary file is removed (best
     effort) and an existing ``path`` is left untouched.
 
@@ -353,7 +358,7 @@ def write_atomic(path: str | os.PathLike, data: bytes | memoryview | list[bytes]
     chunks = data if isinstance(data, list) else [data]
     method = write_method(path, storage_options)
     if method == "replace":
-        return container.write_atomic(_local(path), chunks)
+        return _write_local(_local(path), chunks)
     data = b"".join(chunks)
     fs, inner = _fs(path, storage_options)
     tmp = _temp_name(inner)
@@ -374,6 +379,99 @@ def write_atomic(path: str | os.PathLike, data: bytes | memoryview | list[bytes]
         raise InputError(f"cannot write {path}: {_os_problem(exc)}; check the URL, the permissions and the "
                          "--storage-option values") from None
     return len(data)
+
+
+def _write_local(path: str | os.PathLike, chunks: list[bytes]) -> int:
+    """Write ``chunks`` to the local file ``path`` atomically; return the bytes written.
+
+    First removes the folder's stale temporary files (``remove_stale_temps``). The bytes go to
+    ``<path>.tmp.<pid>.<random>`` in the same folder, are flushed and fsynced, and the file is renamed over ``path``
+    (``os.replace``); on any error the temporary file is removed and an existing ``path`` is left untouched.
+
+    Raises:
+        InputError: not a path, or the file cannot be created or written (missing folder, permission, disk full).
+    """
+    try:
+        target = os.fspath(path)
+    except TypeError as exc:
+        raise InputError(f"cannot save to {path!r}: expected a file path") from exc
+    folder = os.path.dirname(os.path.abspath(target))
+    remove_stale_temps(folder)
+    tmp = _temp_name(target)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), S.TEMP_FILE_MODE)
+    except OSError as exc:
+        raise InputError(f"cannot save {target}: {exc.strerror or exc}; check that the folder exists and is "
+                         "writable") from exc
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException as exc:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            raise InputError(f"cannot save {target}: {exc.strerror or exc}; check the disk space and "
+                             "permissions") from exc
+        raise
+    _fsync_folder(folder)
+    return sum(len(c) for c in chunks)
+
+
+def remove_stale_temps(folder: str | os.PathLike) -> list[str]:
+    """Remove the temporary files of interrupted saves in ``folder``: names ``<target>.tmp.<pid>.<8 hex>`` whose
+    writer process ``pid`` is gone (``os.kill(pid, 0)`` finds no such process). Files of live processes (this one
+    included) are kept, so a concurrent writer never loses its file. Returns the removed paths; never raises."""
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for fname in names:
+        m = _TEMP_NAME.fullmatch(fname)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        path = os.path.join(folder, fname)
+        try:
+            os.remove(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (or cannot be checked: then it is treated as alive)."""
+    if pid == os.getpid():
+        return True
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError, OverflowError):
+        return True  # exists but belongs to someone else, or unknown: keep its file
+    return True
+
+
+def _fsync_folder(folder: str) -> None:
+    """Best effort: make the rename durable (POSIX only)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------------------------

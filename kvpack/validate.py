@@ -1,11 +1,11 @@
-"""Rules a pack must follow, checked on the in-memory ``Pack`` (by the writer) and on a file's metadata (by the reader):
-``pack_problem`` and ``metadata_problem`` (``format/SPEC.md`` §5, §4.4). Each returns the problem as a sentence, or
-``None``; the caller raises the typed error (``InputError`` when writing, ``CorruptFileError`` when reading).
+"""Rules a pack must follow, checked on the in-memory ``Pack`` by the writer: ``pack_problem`` and ``kv_range_problem``
+(``format/SPEC.md`` §5; the rules on a file's header, which the reader checks too, are ``kvpack.rules``). Each returns
+the problem as a sentence, or ``None``; the caller raises the typed error (``InputError`` when writing,
+``CorruptFileError`` when reading).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -15,11 +15,7 @@ from .compact import dequantized_ranges
 from .pack import LayerEntries, Pack, QuantizedRows
 from .quant import layer_quant_problem
 
-__all__ = ["pack_problem", "kv_range_problem", "metadata_problem", "LAYER_KINDS"]
-
-#: Values of the ``layer_kinds`` metadata.
-LAYER_KINDS = ("compressed", "sliding_intact")
-
+__all__ = ["pack_problem", "kv_range_problem"]
 
 def kv_range_problem(pack: Pack, full_ranges: dict[int, list[tuple[str, tuple[float, float]]]] | None = None
                      ) -> str | None:
@@ -132,83 +128,6 @@ def _layer_problem(layer: Any, tokens: int, sink_tokens: int) -> str | None:
     if q is not None:
         return layer_quant_problem(layer, sink_tokens)
     return None
-
-
-def metadata_problem(meta: Any, layers: int, tokens: int) -> str | None:
-    """Why a file's kvpack metadata (``format/SPEC.md`` §4.4) is unusable, or ``None``: every field kvpack reads is
-    type-checked (values of other keys are passed through unchecked).
-
-    ``sink_tokens`` (required): an integer in ``[0, tokens]``. When present: ``method``, ``kvpack_version``: strings
-    of at most 1024 characters; ``method_params``: an object; ``stats``: an object (its ``layer_budgets`` a list of integers); ``ratio``: a number in ``(0, 1]``;
-    ``fingerprint``: an object (its name, architecture, model type, hashes and dtype short strings or null, its
-    ``rope`` an object, its ``sliding_layers`` a list of integers);
-    ``source``: an object whose ``name`` and ``sha256`` (when present) are short strings; ``layout``: an object with
-    the strings ``prefix``, ``separator``, ``turn_end`` (at most ``MAX_LAYOUT_CHARS`` characters each) and the
-    boolean ``templated``; ``layer_kinds``: one of ``LAYER_KINDS`` per layer.
-    """
-    if type(meta) is not dict:
-        return f"{C.META_KVPACK!r} is not a JSON object"
-    sink = meta.get(C.SINK_TOKENS_KEY)
-    if type(sink) is not int or not 0 <= sink <= tokens:
-        return f"{C.SINK_TOKENS_KEY!r} is missing or not an integer in [0, {tokens}] (the number of tokens)"
-    checks = {
-        "method": lambda x: _short_str(x), "kvpack_version": lambda x: _short_str(x),
-        "method_params": lambda x: type(x) is dict, "stats": _stats_ok,
-        "ratio": lambda x: type(x) in (int, float) and 0 < x <= 1 and math.isfinite(x),
-        "fingerprint": _fingerprint_ok, "source": _source_ok, "layout": _layout_ok,
-        "layer_kinds": lambda x: type(x) is list and len(x) == layers and all(
-            type(k) is str and k in LAYER_KINDS for k in x),
-    }
-    for key, ok in checks.items():
-        if key in meta and not ok(meta[key]):
-            return f"metadata field {key!r} is malformed ({_WHAT[key]})"
-    return None
-
-
-_WHAT = {
-    "method": "a string of at most 1024 characters", "kvpack_version": "a string of at most 1024 characters",
-    "method_params": "an object", "stats": "an object whose 'layer_budgets' is a list of integers",
-    "ratio": "a number in (0, 1]",
-    "fingerprint": "an object whose name, architecture, model_type, hashes and dtype are short strings or null, "
-                   "'rope' an object and 'sliding_layers' a list of integers",
-    "source": "an object with string 'name' and 'sha256'",
-    "layout": f"an object with the strings 'prefix', 'separator', 'turn_end' of at most {C.MAX_LAYOUT_CHARS} "
-              "characters and the boolean 'templated'",
-    "layer_kinds": f"one of {list(LAYER_KINDS)} per layer",
-}
-
-
-def _short_str(x: Any) -> bool:
-    return type(x) is str and len(x) <= C.MAX_SHORT_TEXT
-
-
-def _fingerprint_ok(x: Any) -> bool:
-    """An object (compared with the model's by ``fingerprint.check_fingerprint``) whose ``name``, ``architecture`` and
-    hashes, which messages print, are short strings or null when present."""
-    return (type(x) is dict and all(x.get(k) is None or _short_str(x[k]) for k in _FINGERPRINT_STRINGS)
-            and type(x.get("rope", {})) is dict and _int_list(x.get("sliding_layers", [])))
-
-
-def _stats_ok(x: Any) -> bool:
-    """An object whose ``layer_budgets`` (printed by ``kvpack info``) is a list of integers when present."""
-    return type(x) is dict and _int_list(x.get("layer_budgets", []))
-
-
-def _int_list(x: Any) -> bool:
-    return type(x) is list and len(x) <= C.MAX_LAYERS and all(type(i) is int for i in x)
-
-
-_FINGERPRINT_STRINGS = ("name", "architecture", "model_type", "weights_sha256", "tokenizer_sha256", "dtype")
-
-
-def _source_ok(x: Any) -> bool:
-    return type(x) is dict and all(_short_str(x[k]) for k in ("name", "sha256") if k in x)
-
-
-def _layout_ok(x: Any) -> bool:
-    if type(x) is not dict or type(x.get("templated")) is not bool:
-        return False
-    return all(type(x.get(k)) is str and len(x[k]) <= C.MAX_LAYOUT_CHARS for k in ("prefix", "separator", "turn_end"))
 
 
 def _is_int_tensor(x: Any) -> bool:

@@ -18,7 +18,7 @@ import torch
 import zstandard
 
 from kvpack import constants as C
-from kvpack.container import remove_stale_temps
+from kvpack.storage import remove_stale_temps
 from kvpack.errors import CorruptFileError, InputError, ModelMismatchError, TruncatedFileError
 from kvpack.fileformat import PackHeader, load_pack, pack_to_bytes, read_header, save, verify
 from kvpack.pack import LayerEntries, Pack
@@ -434,14 +434,14 @@ def test_save_replaces_existing_file_and_bad_folder_is_input_error(tmp_path):
 
 _SLOW_WRITER = textwrap.dedent("""
     import os, sys, time
-    import kvpack.container as c
+    import kvpack.storage as s
     real = os.fsync
     def slow(fd):
         print("writing", flush=True)
         time.sleep(float(sys.argv[2]))
         real(fd)
     os.fsync = slow
-    c.write_atomic(sys.argv[1], [b"x" * 1000])
+    s.write_atomic(sys.argv[1], [b"x" * 1000])
 """)
 
 

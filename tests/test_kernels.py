@@ -19,10 +19,8 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton / kernels.varlen_decode
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from kvpack import kernels  # noqa: E402 - the kernels/ folder, installed as kvpack.kernels
+from kvpack import kernels  # noqa: E402 - the kernels/ folder, installed as kvpack.kernels (its one name)
 from kvpack.kernels import reference as ref  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -225,8 +223,11 @@ def test_dispatch_reference_path_and_import_without_triton():
     args = {k: v.cpu() if torch.is_tensor(v) else v for k, v in args.items()}
     out = kernels.varlen_decode(**args, backend="reference", num_splits=2)
     assert torch.equal(out, kernels.varlen_decode_reference(**args))
-    code = "import sys; sys.modules['triton'] = None; import kernels; assert not kernels.HAS_TRITON; print('ok')"
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    code = ("import sys; sys.modules['triton'] = None; from kvpack import kernels; assert not kernels.HAS_TRITON; "
+            "print('ok')")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kvpack
-from kvpack import constants as C
+from kvpack import settings as S
 from kvpack.cache import KvpackCache
 from kvpack.errors import InputError
 from kvpack.fileformat import load_pack, pack_to_bytes
@@ -54,7 +54,7 @@ def test_bad_settings_are_input_errors(bad):
 
 def test_group_size_outside_the_accepted_ones():
     with pytest.raises(InputError, match="one of"):
-        check_quant_args("int4", 16, allowed_group_sizes=C.GROUP_SIZES)
+        check_quant_args("int4", 16, allowed_group_sizes=S.GROUP_SIZES)
 
 
 # --- layers: sinks, short heads, residuals ----------------------------------------------------------------------

@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpack  # noqa: E402
 from kvpack import constants as C  # noqa: E402
+from kvpack import settings as S  # noqa: E402
 from kvpack import tasks  # noqa: E402
 from kvpack.bench.speed import timed  # noqa: E402
 from kvpack.model import model_spec  # noqa: E402
@@ -50,8 +51,8 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.3, help="fraction of the context kept (the CLI default)")
     ap.add_argument("--method", default="kvzip")
     ap.add_argument("--quant", default="int4", choices=sorted(C.QUANT_TYPES))
-    ap.add_argument("--group-size", type=int, default=C.DEFAULT_GROUP_SIZE, choices=C.GROUP_SIZES)
-    ap.add_argument("--zstd-level", type=int, default=C.DEFAULT_ZSTD_LEVEL)
+    ap.add_argument("--group-size", type=int, default=S.DEFAULT_GROUP_SIZE, choices=S.GROUP_SIZES)
+    ap.add_argument("--zstd-level", type=int, default=S.DEFAULT_ZSTD_LEVEL)
     ap.add_argument("--chunk-size", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--device", default="auto")

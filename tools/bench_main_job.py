@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpack  # noqa: E402
 from kvpack.bench.speed import causal_attention_alone, plain_prefill, timed  # noqa: E402
 from kvpack import constants as C  # noqa: E402
+from kvpack import settings as S  # noqa: E402
 from kvpack import tasks  # noqa: E402
 from kvpack.layout import chat_layout  # noqa: E402
 from kvpack.methods import get_method  # noqa: E402
@@ -43,10 +44,10 @@ def main() -> None:
     ap.add_argument("--chunk-size", type=int, default=2048, help="prefill and scoring chunk in tokens")
     ap.add_argument("--quant", default=C.QUANT_NONE, choices=[C.QUANT_NONE, *sorted(C.QUANT_TYPES)],
                     help="as kvpack build --quant")
-    ap.add_argument("--group-size", type=int, default=C.DEFAULT_GROUP_SIZE, choices=C.GROUP_SIZES,
+    ap.add_argument("--group-size", type=int, default=S.DEFAULT_GROUP_SIZE, choices=S.GROUP_SIZES,
                     help="as kvpack build --group-size")
     ap.add_argument("--zstd-level", type=int, default=0, help="as kvpack build --zstd-level (0: off)")
-    ap.add_argument("--checksum", default=C.DEFAULT_CHECKSUM, choices=C.CHECKSUMS,
+    ap.add_argument("--checksum", default=S.DEFAULT_CHECKSUM, choices=C.CHECKSUMS,
                     help="as kvpack build --checksum; the other algorithm's file is loaded too, for comparison")
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()

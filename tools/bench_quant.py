@@ -45,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpack  # noqa: E402
 from kvpack import constants as C  # noqa: E402
+from kvpack import settings as S  # noqa: E402
 from kvpack import tasks  # noqa: E402
 from kvpack.evaluation import needle_trials  # noqa: E402
 from kvpack.fileformat import load_pack, pack_to_bytes  # noqa: E402
@@ -127,8 +128,8 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.3, help="fraction of context KV entries kept")
     ap.add_argument("--method", default="kvzip")
     ap.add_argument("--quant", default="int4", choices=sorted(C.QUANT_TYPES))
-    ap.add_argument("--group-size", type=int, default=C.DEFAULT_GROUP_SIZE, choices=C.GROUP_SIZES)
-    ap.add_argument("--zstd-level", type=int, default=C.DEFAULT_ZSTD_LEVEL)
+    ap.add_argument("--group-size", type=int, default=S.DEFAULT_GROUP_SIZE, choices=S.GROUP_SIZES)
+    ap.add_argument("--zstd-level", type=int, default=S.DEFAULT_ZSTD_LEVEL)
     ap.add_argument("--kv-dtype", default="float16", choices=sorted(_DTYPES),
                     help="dtype of the stored full-precision rows")
     ap.add_argument("--chunk-size", type=int, default=2048)

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from .. import __version__
-from .. import constants as C
+from .. import settings as S
 from ..tasks import ANSWER_MAX_NEW_TOKENS
 from ..errors import InputError
 from ..model import load_model
@@ -91,8 +91,8 @@ class BenchConfig:
     device: str = "cpu"
     seed: int = 0
     chunk_size: int = 2048
-    group_size: int = C.DEFAULT_GROUP_SIZE
-    zstd_level: int = C.DEFAULT_ZSTD_LEVEL
+    group_size: int = S.DEFAULT_GROUP_SIZE
+    zstd_level: int = S.DEFAULT_ZSTD_LEVEL
     max_new_tokens: int = ANSWER_MAX_NEW_TOKENS
     threads: int = 0
     plots: bool = True

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .. import constants as C
+from .. import settings as S
 from ..attention import use_kvpack_attention
 from ..compress import compress
 from ..fileformat import save
@@ -113,7 +113,7 @@ def _drop_tail(cache, tokens: int) -> None:
 
 
 def measure_speed(model, tokenizer, text: str, methods: list[str], ratio: float, folder, *, repeats: int = 2,
-                  chunk_size: int = 2048, zstd_level: int = C.DEFAULT_ZSTD_LEVEL, decode_steps: int = 16,
+                  chunk_size: int = 2048, zstd_level: int = S.DEFAULT_ZSTD_LEVEL, decode_steps: int = 16,
                   log=None) -> dict:
     """Build, load and decode timings of ``methods`` at ``ratio`` for one context, against plain prefill.
 

@@ -5,27 +5,43 @@ method options and ``--methods`` specs are made from, are declared in ``kvpack.m
 from __future__ import annotations
 
 from ..errors import InputError
-from .am import AttentionMatching
-from .base import Method
-from .d2o import D2O
-from .h2o import H2O
-from .knorm import KNorm
-from .kvzip import KVzip
-from .kvzip_head import KVzipHead
-from .none import NoCompression
-from .pyramidkv import PyramidKV
-from .random import RandomScores
-from .snapkv import SnapKV
-from .streaming import StreamingLLM
+from .params import PARAMS
 
-__all__ = ["METHODS", "Method", "get_method"]
-
-METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (
-    KVzip, KVzipHead, AttentionMatching, D2O, StreamingLLM, H2O, SnapKV, PyramidKV, KNorm, RandomScores,
-    NoCompression)}
+__all__ = ["METHODS", "Method", "PARAMS", "get_method"]
 
 
-def get_method(name: str, defaults: dict | None = None, **params) -> Method:
+def _registry() -> dict:
+    """``METHODS``, made on first use: the methods import torch, their parameters (``PARAMS``) do not."""
+    from .am import AttentionMatching
+    from .d2o import D2O
+    from .h2o import H2O
+    from .knorm import KNorm
+    from .kvzip import KVzip
+    from .kvzip_head import KVzipHead
+    from .none import NoCompression
+    from .pyramidkv import PyramidKV
+    from .random import RandomScores
+    from .snapkv import SnapKV
+    from .streaming import StreamingLLM
+
+    classes = {cls.name: cls for cls in (KVzip, KVzipHead, AttentionMatching, D2O, StreamingLLM, H2O, SnapKV,
+                                         PyramidKV, KNorm, RandomScores, NoCompression)}
+    return {name: classes[name] for name in PARAMS}  # one order for both
+
+
+def __getattr__(name: str):
+    """``METHODS`` (method name -> class, in ``PARAMS``' order) and ``Method``, imported on first use."""
+    if name == "METHODS":
+        globals()["METHODS"] = value = _registry()
+        return value
+    if name == "Method":
+        from .base import Method
+
+        return Method
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def get_method(name: str, defaults: dict | None = None, **params):
     """Instantiate method ``name`` with ``params``.
 
     Args:
@@ -38,9 +54,9 @@ def get_method(name: str, defaults: dict | None = None, **params) -> Method:
         InputError: unknown method, a parameter the method does not take (naming the ones it does), or a bad
             value (the method's own check).
     """
-    if name not in METHODS:
-        raise InputError(f"unknown method {name!r}; choose one of: {', '.join(sorted(METHODS))}")
-    cls = METHODS[name]
+    if name not in PARAMS:
+        raise InputError(f"unknown method {name!r}; choose one of: {', '.join(sorted(PARAMS))}")
+    cls = (globals().get("METHODS") or __getattr__("METHODS"))[name]
     accepted = cls.parameter_names()
     unknown = [p for p in params if p not in accepted]
     if unknown:

@@ -9,7 +9,9 @@ from typing import Callable
 
 import torch
 
+from .. import storage
 from ..errors import InputError
+from ..heads import check_head_scores, load_head_scores, top_heads
 from ..prefill import Prefill
 from .base import Method
 from .params import KVzipHeadParams
@@ -40,9 +42,6 @@ class KVzipHead(KVzipHeadParams, Method):
     _scores: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        from .. import storage
-        from ..heads import load_head_scores
-
         super().__post_init__()
         if self.heads is None:
             raise InputError("kvzip-head needs head scores: make them once per model with `kvpack heads DOC.txt "
@@ -59,8 +58,6 @@ class KVzipHead(KVzipHeadParams, Method):
               ) -> torch.Tensor:
         """Each head's score repeated over its context positions: ``[compressed_layers, kv_heads,
         context_tokens]`` float32. Raises ``ModelMismatchError`` if the file was made for another model."""
-        from ..heads import check_head_scores
-
         check_head_scores(self._scores, model, tokenizer, path=f"head-score file {self.heads}")
         s = self._scores.scores.to(prefill.keys[0].device)
         return s[:, :, None].expand(-1, -1, prefill.context_tokens).contiguous()
@@ -68,8 +65,6 @@ class KVzipHead(KVzipHeadParams, Method):
     def select(self, scores: torch.Tensor, ratio: float, prefill: Prefill | None = None) -> torch.Tensor:
         """Keep mask ``[layers, kv_heads, tokens]`` bool: all tokens of the top ``round(ratio x layers x kv_heads)``
         heads by score, the last ``window`` tokens of the others."""
-        from ..heads import top_heads
-
         scores = scores.detach().float().cpu()
         layers, heads, n = scores.shape
         kept = top_heads(scores.amax(dim=-1) if n else torch.zeros(layers, heads), ratio)

@@ -1,0 +1,187 @@
+"""kvpack's imports: no cycle between its modules (imports inside functions included), read from the source with
+``ast`` (nothing is imported), and commands that read only headers start without torch."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Source folder -> the package it is installed as (``kernels/`` is ``kvpack.kernels``: pyproject.toml).
+PACKAGES = {ROOT / "kvpack": "kvpack", ROOT / "kernels": "kvpack.kernels"}
+
+
+def module_files() -> dict[str, Path]:
+    """``{module name: file}`` of every module of the package (``__init__.py`` names the package itself)."""
+    out = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``{module: the kvpack modules it imports}``: every ``import`` and ``from ... import`` anywhere in its file
+    (module level, functions, ``TYPE_CHECKING`` blocks), relative imports resolved; ``from M import x`` counts ``M.x``
+    when that is a module, else ``M``. The implicit import of a parent package is not counted."""
+    files = module_files()
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                subs = [f"{target}.{alias.name}" for alias in node.names if f"{target}.{alias.name}" in files]
+                found.update(subs)
+                if len(subs) < len(node.names):
+                    found.add(target)
+        graph[name] = {m for m in found if m in files and m != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted; sorted."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                out.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def _describe(part: list[str], graph: dict[str, set[str]]) -> str:
+    edges = [f"{a} -> {b}" for a in part for b in sorted(graph[a]) if b in part]
+    return f"{', '.join(part)} ({'; '.join(edges)})"
+
+
+def test_the_graph_reader_sees_relative_and_function_level_imports():
+    graph = import_graph()
+    assert "kvpack.methods.params" in graph["kvpack.methods.base"]  # from .params import ...
+    assert "kvpack.heads" in graph["kvpack.methods.kvzip_head"]  # the method reads head files, never the reverse
+    assert not graph["kvpack.heads"] & {"kvpack.methods", "kvpack.methods.kvzip_head"}
+    assert "kvpack.model" in graph["kvpack.cli"]  # inside the commands' functions
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+_PLAIN = re.compile(r"(?<!from kvpack )\bimport kernels\b|\bfrom kernels\b")
+
+
+def test_kernels_have_one_name():
+    """``kernels/`` is installed as ``kvpack.kernels``; importing it as plain ``kernels`` too would load its files
+    twice, under two names whose import-time flags (``HAS_TRITON``) could disagree."""
+    plain = []
+    for folder in (ROOT / "kvpack", ROOT / "kernels", ROOT / "tests", ROOT / "tools"):
+        for path in sorted(folder.rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            for node in ast.walk(tree):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                plain += [f"{path.relative_to(ROOT)}:{node.lineno}" for n in names if n.split(".")[0] == "kernels"]
+            plain += [f"{path.relative_to(ROOT)}:{node.lineno}" for node in ast.walk(tree)  # code run in a subprocess
+                      if path.name != "test_imports.py" and isinstance(node, ast.Constant)
+                      and isinstance(node.value, str) and _PLAIN.search(node.value)]
+    assert not plain, f"import kvpack.kernels, not kernels: {plain}"
+
+
+def test_no_import_cycle():
+    """A module never imports, even inside a function, a module that imports it back (directly or not): the
+    package reads bottom-up, from the format to the CLI."""
+    graph = import_graph()
+    found = cycles(graph)
+    assert not found, "import cycles: " + " | ".join(_describe(p, graph) for p in found)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# start-up
+
+
+def _seconds(args: list[str], env: dict) -> float:
+    """Best of three wall times of ``python args`` (the minimum is the least disturbed by other load)."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, *args], env=env, capture_output=True, timeout=120)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def test_header_constants_agree_with_torch():
+    """The torch-free element sizes the header parser uses are the torch dtypes' (made on first use)."""
+    import torch
+
+    from kvpack import constants as C
+
+    assert {code: dtype.itemsize for code, dtype in C.DTYPE_BY_CODE.items()} == C.ITEMSIZE_BY_CODE
+    assert C.CODE_BY_DTYPE[torch.bfloat16] == "BF16" and C.DTYPE_BY_CODE["F16"] is torch.float16
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory):
+    """A folder with one small pack (built by the API in this process: the commands below must not need torch)."""
+    import kvpack
+
+    from .tiny import TEXT, tiny_model
+
+    folder = tmp_path_factory.mktemp("startup")
+    model, tok = tiny_model("llama")
+    kvpack.save(kvpack.compress(model, tok, TEXT, ratio=0.5), folder / "doc.kvpack")
+    return folder
+
+
+@pytest.mark.parametrize("command", [["--help"], ["build", "--help"], ["ls", "{dir}"], ["verify", "{dir}/doc.kvpack"],
+                                     ["ls", "{dir}", "--json"], ["verify", "{dir}/doc.kvpack", "--json"]])
+def test_header_commands_start_without_torch(packs, command):
+    """``kvpack --help``, ``ls`` and ``verify`` (without ``--model``) read only headers and checksums: they must not
+    import torch or transformers (about 3 s of start-up), and start within 1.5 s of a bare interpreter (best of three
+    runs; the target on an idle machine is 0.5 s)."""
+    args = [a.replace("{dir}", str(packs)) for a in command]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    probe = ("import runpy, sys\nsys.argv = ['kvpack', *sys.argv[1:]]\ntry:\n    runpy.run_module('kvpack', "
+             "run_name='__main__')\nexcept SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
+             "print('\\nIMPORTED', *sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+             "sys.exit(code)")
+    proc = subprocess.run([sys.executable, "-c", probe, *args], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.rstrip().endswith("IMPORTED"), proc.stdout[-300:]
+    bare = _seconds(["-c", "pass"], env)
+    took = _seconds(["-m", "kvpack", *args], env)
+    assert took < bare + 1.5, f"kvpack {' '.join(command)} took {took:.2f} s, a bare python {bare:.2f} s"
