@@ -134,10 +134,10 @@ def test_no_import_cycle():
 # start-up
 
 
-def _seconds(args: list[str], env: dict) -> float:
-    """Best of three wall times of ``python args`` (the minimum is the least disturbed by other load)."""
+def _seconds(args: list[str], env: dict, tries: int = 3) -> float:
+    """Best of ``tries`` wall times of ``python args`` (the minimum is the least disturbed by other load)."""
     best = float("inf")
-    for _ in range(3):
+    for _ in range(tries):
         t0 = time.perf_counter()
         subprocess.run([sys.executable, *args], env=env, capture_output=True, timeout=120)
         best = min(best, time.perf_counter() - t0)
@@ -155,6 +155,14 @@ def test_header_constants_agree_with_torch():
 
 
 @pytest.fixture(scope="module")
+def baseline() -> tuple[dict, float]:
+    """The environment of the timed runs and their time budget: 1.5 s over a bare interpreter, or half of what
+    importing torch alone takes right now if that is more (the machine may be loaded: both scale with it)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return env, max(_seconds(["-c", "pass"], env) + 1.5, 0.5 * _seconds(["-c", "import torch"], env, tries=2))
+
+
+@pytest.fixture(scope="module")
 def packs(tmp_path_factory):
     """A folder with one small pack (built by the API in this process: the commands below must not need torch)."""
     import kvpack
@@ -169,12 +177,12 @@ def packs(tmp_path_factory):
 
 @pytest.mark.parametrize("command", [["--help"], ["build", "--help"], ["ls", "{dir}"], ["verify", "{dir}/doc.kvpack"],
                                      ["ls", "{dir}", "--json"], ["verify", "{dir}/doc.kvpack", "--json"]])
-def test_header_commands_start_without_torch(packs, command):
+def test_header_commands_start_without_torch(packs, baseline, command):
     """``kvpack --help``, ``ls`` and ``verify`` (without ``--model``) read only headers and checksums: they must not
-    import torch or transformers (about 3 s of start-up), and start within 1.5 s of a bare interpreter (best of three
-    runs; the target on an idle machine is 0.5 s)."""
+    import torch or transformers (about 3 s of start-up), and finish within ``baseline``'s budget (best of three
+    runs; on an idle 2-core machine they take 0.2-0.4 s, torch's import alone 1.1 s)."""
     args = [a.replace("{dir}", str(packs)) for a in command]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env, budget = baseline
     probe = ("import runpy, sys\nsys.argv = ['kvpack', *sys.argv[1:]]\ntry:\n    runpy.run_module('kvpack', "
              "run_name='__main__')\nexcept SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
              "print('\\nIMPORTED', *sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
@@ -182,6 +190,5 @@ def test_header_commands_start_without_torch(packs, command):
     proc = subprocess.run([sys.executable, "-c", probe, *args], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.rstrip().endswith("IMPORTED"), proc.stdout[-300:]
-    bare = _seconds(["-c", "pass"], env)
     took = _seconds(["-m", "kvpack", *args], env)
-    assert took < bare + 1.5, f"kvpack {' '.join(command)} took {took:.2f} s, a bare python {bare:.2f} s"
+    assert took < budget, f"kvpack {' '.join(command)} took {took:.2f} s, over the budget of {budget:.2f} s"
