@@ -45,7 +45,7 @@ from .layout import chat_layout
 from .manifest import MANIFEST_NAME, ManifestWriter, read_manifest
 from .methods import get_method
 from .methods.params import PARAMS
-from .model import KV_DTYPES, model_spec
+from .model import model_spec
 from .names import part_name
 from .quant import check_quant_args
 from .settings import DEFAULT_CHUNK_SIZE, DEFAULT_RATIO
@@ -202,8 +202,8 @@ def build_settings(*, method: str = "kvzip", ratio: float = DEFAULT_RATIO, chunk
     if quant != C.QUANT_NONE:
         check_quant_args(quant, group_size, allowed_group_sizes=S.GROUP_SIZES)
     check_storage_args(zstd_level, checksum)
-    if kv_dtype not in KV_DTYPES:
-        raise InputError(f"unknown kv_dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+    if kv_dtype not in S.DTYPES:
+        raise InputError(f"unknown kv_dtype {kv_dtype!r}; choose one of {', '.join(S.DTYPES)}")
     stored = [quant, group_size, C.QUANT_LAYOUT_COMPACT] if quant != C.QUANT_NONE else [C.QUANT_NONE, None, None]
     return json.loads(json.dumps({
         "method": scorer.name, "method_params": scorer.params(), "ratio": float(scorer.kept_ratio(ratio)),

@@ -16,7 +16,7 @@ from . import gguf
 from .errors import InputError, ModelLoadError, UnsupportedModelError
 
 __all__ = ["REFERENCE_MODEL_DIR", "REFERENCE_MODEL_NAME", "load_model", "model_path", "model_identity",
-           "model_for_pack", "resolve_device", "resolve_dtype", "resolve_kv_dtype", "KV_DTYPES", "ModelSpec",
+           "model_for_pack", "resolve_device", "resolve_dtype", "resolve_kv_dtype", "ModelSpec",
            "model_spec"]
 
 #: The embedded reference model shipped inside the package (see its MODEL_CARD.md).
@@ -56,10 +56,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return _DTYPES[dtype]
 
 
-#: ``kv_dtype`` values: ``auto`` (the model's native 16-bit dtype, ``resolve_kv_dtype``) or a dtype name.
-KV_DTYPES = ("auto", *_DTYPES)
-
-
 def resolve_kv_dtype(kv_dtype: str | torch.dtype | None, model) -> torch.dtype:
     """The dtype a pack of ``model`` stores its keys and values in, whatever dtype the compute ran in.
 
@@ -69,18 +65,18 @@ def resolve_kv_dtype(kv_dtype: str | torch.dtype | None, model) -> torch.dtype:
     bits than bfloat16. ``"float32"``, ``"bfloat16"``, ``"float16"`` or a ``torch.dtype`` choose it.
 
     Raises:
-        InputError: a name outside ``KV_DTYPES`` or a dtype that is not one of those three.
+        InputError: a name outside ``settings.DTYPES`` or a dtype that is not one of those three.
     """
     if isinstance(kv_dtype, torch.dtype):
         if kv_dtype not in _DTYPES.values():
-            raise InputError(f"kv_dtype {kv_dtype} is not one a pack stores; choose one of {', '.join(KV_DTYPES)}")
+            raise InputError(f"kv_dtype {kv_dtype} is not one a pack stores; choose one of auto, {', '.join(_DTYPES)}")
         return kv_dtype
     if kv_dtype is None or kv_dtype == "auto":
         native = getattr(model.config, "dtype", None)
         native = _DTYPES.get(native, native) if isinstance(native, str) else native
         return native if native in (torch.bfloat16, torch.float16) else torch.float16
     if kv_dtype not in _DTYPES:
-        raise InputError(f"unknown kv_dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+        raise InputError(f"unknown kv_dtype {kv_dtype!r}; choose one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[kv_dtype]
 
 
