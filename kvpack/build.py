@@ -331,7 +331,7 @@ def _with_defaults(method: Any, params: Any) -> Any:
     cls = PARAMS.get(method) if isinstance(method, str) else None
     if cls is None or not isinstance(params, dict):
         return params
-    defaults = cls.defaults()
+    defaults = cls.recorded_defaults()
     try:
         return json.loads(json.dumps({**defaults, **params}))
     except (TypeError, ValueError):

@@ -163,22 +163,8 @@ def load_head_scores(path: str | os.PathLike, storage_options: dict | None = Non
             or version, or any tensor or metadata field is missing or malformed (named in the message), or a score
             is not finite or negative.
     """
-    from safetensors.torch import load
-
     where = f"head-score file {path}"
-    if not storage.is_file(path, storage_options):
-        raise InputError(f"{where} does not exist; {_MAKE_IT}")
-    size = storage.file_size(path, storage_options)
-    if size > MAX_HEADS_FILE_BYTES:
-        raise InputError(f"{where} is {size:,} bytes, more than the {MAX_HEADS_FILE_BYTES:,} a head-score file may "
-                         "be; it is not one")
-    data = storage.read_bytes(path, storage_options)
-    try:
-        meta = _safetensors_metadata(data)
-        loaded = load(data)
-    except Exception as exc:  # safetensors raises its own error type (and others) for malformed bytes
-        raise InputError(f"{where} is not a valid safetensors file ({type(exc).__name__}: {exc}); {_MAKE_IT}") \
-            from None
+    meta, loaded = read_safetensors(path, storage_options, MAX_HEADS_FILE_BYTES, where, _MAKE_IT)
     names = set(loaded)
     tensors = {n: loaded[n] for n in names & {"scores", "context_scores"}}
     if meta.get("format") != HEADS_FORMAT:
@@ -192,11 +178,7 @@ def load_head_scores(path: str | os.PathLike, storage_options: dict | None = Non
     contexts = _json_field(meta, "contexts", list, where)
     layers = _json_field(meta, "compressed_layers", list, where)
     method = _json_field(meta, "method", dict, where)
-    kv_heads, num_layers = fp.get("num_kv_heads"), fp.get("num_layers")
-    if not (_is_int(kv_heads) and kv_heads >= 1 and _is_int(num_layers) and num_layers >= 1):
-        raise InputError(f"{where}: the fingerprint's num_kv_heads / num_layers are not positive integers")
-    if not layers or not all(_is_int(l) and 0 <= l < num_layers for l in layers) or layers != sorted(set(layers)):
-        raise InputError(f"{where}: compressed_layers must be increasing layer indices below {num_layers}")
+    kv_heads = check_layers_field(fp, layers, where)
     if not contexts or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
                                and isinstance(c.get("sha256"), str) and _is_int(c.get("tokens"))
                                for c in contexts):
@@ -227,6 +209,37 @@ def check_head_scores(scores: HeadScores, model, tokenizer, *, path: str = "the 
     if scores.compressed_layers != layers:
         raise ModelMismatchError(f"{path} scores layers {scores.compressed_layers}, the model compresses {layers}; "
                                  f"{_MAKE_IT}")
+
+
+def read_safetensors(path, storage_options: dict | None, max_bytes: int, where: str, make_it: str
+                     ) -> tuple[dict, dict]:
+    """``(metadata, tensors)`` of a small safetensors file of kvpack's (head scores, ``kvpack.schedule``), read as
+    hostile: ``InputError`` naming ``where`` (and ``make_it``, how to make a good one) if it is missing, larger than
+    ``max_bytes``, or not safetensors."""
+    from safetensors.torch import load
+
+    if not storage.is_file(path, storage_options):
+        raise InputError(f"{where} does not exist; {make_it}")
+    size = storage.file_size(path, storage_options)
+    if size > max_bytes:
+        raise InputError(f"{where} is {size:,} bytes, more than the {max_bytes:,} such a file may be; it is not one")
+    data = storage.read_bytes(path, storage_options)
+    try:
+        return _safetensors_metadata(data), load(data)
+    except Exception as exc:  # safetensors raises its own error type (and others) for malformed bytes
+        raise InputError(f"{where} is not a valid safetensors file ({type(exc).__name__}: {exc}); {make_it}") \
+            from None
+
+
+def check_layers_field(fp: dict, layers: list, where: str) -> int:
+    """The fingerprint's ``num_kv_heads``, after checking that it and ``num_layers`` are positive integers and
+    ``layers`` increasing layer indices below ``num_layers``; ``InputError`` naming ``where`` otherwise."""
+    kv_heads, num_layers = fp.get("num_kv_heads"), fp.get("num_layers")
+    if not (_is_int(kv_heads) and kv_heads >= 1 and _is_int(num_layers) and num_layers >= 1):
+        raise InputError(f"{where}: the fingerprint's num_kv_heads / num_layers are not positive integers")
+    if not layers or not all(_is_int(l) and 0 <= l < num_layers for l in layers) or layers != sorted(set(layers)):
+        raise InputError(f"{where}: compressed_layers must be increasing layer indices below {num_layers}")
+    return kv_heads
 
 
 def _json_field(meta: dict, key: str, kind: type, where: str):

@@ -74,41 +74,63 @@ def split_budget(scorer, scores: torch.Tensor, ratio: float, full, budget: str) 
     return keep.view(scores.shape)
 
 
-def packs_for(model, tok, text: str, ratios: list[float], queries: int, budgets=("global",), variants=VARIANTS
+def packs_for(model, tok, text: str, ratios: list[float], queries: int, budgets=("global",), variants=VARIANTS,
+              timings: dict | None = None, fingerprint: dict | None = None
               ) -> dict[tuple[str, str, float], object]:
-    """``{(variant, budget, ratio): Pack}`` from one prefill and one AM scoring pass."""
+    """``{(variant, budget, ratio): Pack}`` from one prefill, one KVzip scoring pass and one reference-query pass
+    per query source the variants ask for. Budget ``global`` is each variant's own selection (``Method.select``:
+    for ``am`` its ``budgets``/``max_head_ratio``/``recent``; ``kvzip[max_head_ratio=0.75]`` caps KVzip); the other
+    splits (``split_budget``) replace it. ``timings`` (if given) gets ``{variant: seconds}`` of a build from the
+    prefill on: the prefill, the variant's scoring and query passes, its selection and fit (the ratios' mean)."""
     spec, layout = model_spec(model), chat_layout(tok)
     prefix = layout.prefix_ids(tok)
+    t0 = time.perf_counter()
     full = prefill(model, prefix + layout.encode(tok, text), len(prefix), layout, spec, 2048)
-    scorer = get_method("am", queries=queries)
-    scores = scorer.score(model, tok, full)
-    params = {name: parse_method_spec(name)[1] for name in variants if name != "kvzip"}
-    # one scoring pass per reference-query source (and sampled length) the variants ask for
-    scorers = {("repeat", None): scorer}
+    t_prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    scores = get_method("kvzip").score(model, tok, full)
+    t_kvzip = time.perf_counter() - t0
+    specs = {name: parse_method_spec(name) for name in variants}
+    scorers, source_seconds = {}, {}
 
     def source_of(p: dict) -> tuple:
-        ref = p.get("reference", "repeat")
-        return ref, None if ref == "repeat" else p.get("continue_tokens")
+        keys = ("reference", "continue_tokens", "self_study_tokens", "queries", "on_policy")
+        return tuple((k, p[k]) for k in keys if k in p)
 
-    for p in params.values():
+    out, spent = {}, {name: 0.0 for name in variants}
+    for name, (method, p) in specs.items():
+        if method != "am":
+            continue
         key = source_of(p)
-        if key not in scorers:
-            scorers[key] = get_method("am", queries=queries, reference=key[0],
-                                      **({} if key[1] is None else {"continue_tokens": key[1]}))
+        if key not in scorers:  # the repeat pass again (it records the queries), plus any other source
+            t0 = time.perf_counter()
+            scorers[key] = get_method("am", **{"queries": queries, **dict(key)})
             scorers[key].score(model, tok, full)
-    out = {}
+            source_seconds[key] = time.perf_counter() - t0
     for budget in budgets:
         for r in ratios:
-            keep = split_budget(scorer, scores, r, full, budget)
-            for name in variants:
-                if name == "kvzip":
-                    m = get_method("kvzip")
-                else:
-                    m = get_method("am", queries=queries, **params[name])
-                    source = scorers[source_of(params[name])]
+            for name, (method, p) in specs.items():
+                t0 = time.perf_counter()
+                if method == "am":
+                    m = get_method("am", **{"queries": queries, **p})
+                    source = scorers[source_of(p)]
                     m._spec, m._reservoirs = source._spec, source._reservoirs
-                keep_m = keep if name == "kvzip" or m.selection == "kvzip" else m.reselect_within_heads(keep, full)
-                out[(name, budget, r)] = assemble_pack(model, tok, text, m, r, full, keep_m, "<bench>")
+                    m._model, m._tokenizer = model, tok
+                else:
+                    m = get_method(method, **p)
+                if budget == "global":
+                    keep_m = m.select(scores, r, full)
+                else:
+                    keep_m = split_budget(m, scores, r, full, budget)
+                    if method == "am" and m.selection != "kvzip":
+                        keep_m = m.reselect_within_heads(keep_m, full)
+                out[(name, budget, r)] = assemble_pack(model, tok, text, m, r, full, keep_m, "<bench>", fingerprint)
+                spent[name] += time.perf_counter() - t0
+    if timings is not None:
+        per = len(budgets) * len(ratios)
+        for name, (method, p) in specs.items():
+            scoring = t_kvzip if method != "am" else source_seconds[source_of(p)]
+            timings[name] = t_prefill + scoring + spent[name] / per
     return out
 
 
@@ -122,6 +144,9 @@ def main() -> None:
     ap.add_argument("--mq-length", type=int, default=1024)
     ap.add_argument("--mq-facts", type=int, default=4)
     ap.add_argument("--queries", type=int, default=4096)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the passages and multi-query contexts (0: the bench's own; choose options on "
+                         "another seed than the one reported)")
     ap.add_argument("--budgets", default="global",
                     help="comma-separated splits over heads: global, head, floorF, largest-full")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated method specs (kvzip or am[...])")
@@ -129,26 +154,32 @@ def main() -> None:
     args = ap.parse_args()
     ratios = [float(r) for r in args.ratios.split(",")]
     budgets, variants = args.budgets.split(","), args.variants.split(",")
-    for name in variants:  # one KVzip scoring pass serves every variant: plain kvzip or am[...] only
-        if name != "kvzip" and parse_method_spec(name)[0] != "am":
-            ap.error(f"--variants: {name!r} is neither kvzip nor an am[...] spec (kvzip takes no options here)")
+    for name in variants:  # one KVzip scoring pass serves every variant: kvzip[...] or am[...] only
+        if parse_method_spec(name)[0] not in ("kvzip", "am"):
+            ap.error(f"--variants: {name!r} is neither a kvzip[...] nor an am[...] spec")
     model, tok = kvpack.load_model(args.model)
-    results = {"command": " ".join(sys.argv), "continuation": [], "multiquery": []}
+    from kvpack.fingerprint import model_fingerprint
+
+    fingerprint = model_fingerprint(model, tok)
+    results = {"command": " ".join(sys.argv), "continuation": [], "multiquery": [], "build_seconds": []}
     t0 = time.perf_counter()
-    for doc in continuation_docs(tok, args.cont_length, args.cont_docs):
+    for doc in continuation_docs(tok, args.cont_length, args.cont_docs, seed=args.seed):
         ref = full_cache_logprobs(model, tok, doc)
         ref_nll = _nll(ref, doc.target_ids)
-        for (name, budget, r), pack in packs_for(model, tok, doc.text, ratios, args.queries, budgets,
-                                                 variants).items():
+        timings = {}
+        packs = packs_for(model, tok, doc.text, ratios, args.queries, budgets, variants, timings, fingerprint)
+        results["build_seconds"].append({"doc": doc.key, **timings})
+        print(json.dumps({"doc": doc.key, "build_seconds": timings}), flush=True)
+        for (name, budget, r), pack in packs.items():
             lp = _cache_logprobs(model, KvpackCache.from_pack(pack), doc.target_ids)
             row = {"doc": doc.key, "variant": name, "budget": budget, "ratio": r,
                    "delta_nll": _nll(lp, doc.target_ids) - ref_nll, "fit": pack.metadata["stats"].get("fit"),
                    "head_entries": [[int(n) for n in e.head_lengths] for e in pack.layers]}
             results["continuation"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k not in ("fit", "head_entries")}), flush=True)
-    for ctx in multiquery_contexts(tok, args.mq_length, args.mq_facts, args.mq_contexts):
+    for ctx in multiquery_contexts(tok, args.mq_length, args.mq_facts, args.mq_contexts, seed=args.seed):
         for (name, budget, r), pack in packs_for(model, tok, ctx.text, ratios, args.queries, budgets,
-                                                 variants).items():
+                                                 variants, None, fingerprint).items():
             cache = KvpackCache.from_pack(pack)
             correct = sum(tasks.answer_matches(kvpack.generate(model, tok, cache, q, max_new_tokens=32), f)
                           for f, q in zip(ctx.facts, ctx.questions))

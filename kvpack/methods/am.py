@@ -4,6 +4,7 @@ Kim, "Fast KV Compaction via Attention Matching", arXiv 2602.16284, §3; the fit
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
@@ -14,6 +15,7 @@ from ..pack import LayerEntries
 from ..prefill import Prefill
 from .am_fit import attention_output, fit_head, relative_error, rms_attention
 from .base import top_k_rows
+from .budgets import protect_recent, split
 from .d2o import D2O, merge_plan, merge_rows
 from .kvzip import KVzip
 from .params import AttentionMatchingParams
@@ -95,10 +97,18 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     pooled per KV head and subsampled deterministically to ``queries`` per KV head (``QueryReservoir``), of which
     up to ``HELD_OUT`` are held out of the fit to measure it.
     ``reference="continue"`` takes instead the queries of tokens the model samples after the context
-    (``kvpack.methods.am_continue``), ``"both"`` pools the two sources.
+    (``kvpack.methods.am_continue``), ``"both"`` pools the two sources; ``"self-study"`` takes the queries of the
+    model's greedy answers to the paper's self-study prompts (§4.1, ``kvpack.methods.am_selfstudy``), and
+    ``"self-study+repeat"`` pools them with the repeat pass's (the paper's ``ss-plus-repeat``).
 
-    Kept keys: KVzip's global top-k (non-uniform head budgets); within a head, KVzip's scores (``selection=
-    "kvzip"``) or the highest RMS attention over the reference queries (``"rms"``, the paper's default score).
+    Kept keys: ``ratio`` is the share of all context entries kept, over every compressed layer and KV head, split
+    per head by ``budgets`` (``kvpack.methods.budgets``) over KVzip's scores: ``"global-capped"`` (default: KVzip's
+    global top-k with no head above ``max_head_ratio`` of its own entries, the paper's 0.75 cap), ``"global"``
+    (uncapped: on the reference model at keep 0.1 one head took ~80% of the entries), ``"uniform"`` or
+    ``"schedule"`` (a per-model fraction file, ``kvpack.schedule``, capped). Every head keeps its last ``recent``
+    context tokens first (within its budget; kvpack's, not the paper's). Within a head, KVzip's scores
+    (``selection="kvzip"``), the highest RMS attention over the reference queries (``"rms"``, the paper code's
+    ``score_method="rms"``) or OMP (``"omp"``, the paper's AM-OMP, ``kvpack.methods.am_omp``).
 
     Fit (``kvpack.methods.am_fit.fit_head``), on the context entries of each head (the attention sink, the template
     prefix, stays exact: beta = 0, values copied): beta by mass matching (box NNLS, beta in ``am_fit.BETA_RANGE``),
@@ -110,12 +120,15 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     ``on_policy``: layer ``l``'s reference queries are recomputed by a repeat pass in which the compressed layers
     before ``l`` are already compacted (§3.3, on-policy queries); one extra repeat pass per compressed layer.
 
-    Two guards of kvpack's own (not in the paper, which fits with up to 50,000 queries per head): a head keeping
-    more than ``1 / OVERDETERMINED`` of its fit queries' count is not fitted (least squares would interpolate
-    noise; nor is a head that keeps none or all of its context entries, where there is nothing to fit), and with
-    ``held_out_check`` a head whose fit is worse on the held-out queries than KVzip's selection alone keeps the
-    selection (beta = 0, values copied). A fit whose values leave ``[-MAX_KV_ABS, MAX_KV_ABS]`` (an ill-conditioned
-    system; ``kvpack.load`` would refuse the pack) is rejected the same way. Either way the head is exactly KVzip's.
+    Failed fits: the values' least squares always returns a fit (``am_fit.least_squares``: Cholesky of the
+    normal equations, then the same with the smallest ridge ``1e-6 x 10^k x mean(diag)`` that factorises, then the
+    SVD pseudo-inverse), as the paper does. One guard of kvpack's own (not in the paper, which fits with up to
+    50,000 queries per head): a head keeping more than ``1 / OVERDETERMINED`` of its fit queries' count is not
+    fitted (least squares would interpolate noise; nor is a head that keeps none or all of its context entries,
+    where there is nothing to fit). ``held_out_check`` (off by default since the paper has no such rule) keeps the
+    selection (beta = 0, values copied) for a head whose fit is worse on the held-out queries. A fit whose values
+    leave ``[-MAX_KV_ABS, MAX_KV_ABS]`` (an ill-conditioned system; ``kvpack.load`` would refuse the pack) is
+    always rejected that way. Either way the head keeps its selected entries as they are.
 
     The pack's metadata gets ``stats["fit"]``: per compressed layer the mean relative error of the head outputs on
     the held-out queries (``relative_error``, the kept heads counted as kept), the same for KVzip's selection alone
@@ -124,15 +137,23 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
 
     Parameters (declared in ``kvpack.methods.params``):
         chunk_size, tail_tokens, scoring: KVzip's (its repeat pass; ``scoring="plus"`` selects by KVzip+).
-        selection: ``"kvzip"`` or ``"rms"``.
+        max_head_ratio: the per-head cap of ``"global-capped"`` and ``"schedule"``, in (0, 1] (default 0.75).
+        budgets: ``"global-capped"`` (default), ``"global"``, ``"uniform"`` or ``"schedule"``.
+        schedule: the schedule file of ``budgets="schedule"`` (checked against the model); its SHA-256 is
+            recorded as ``schedule_sha256``.
+        recent: last context tokens every head keeps (in its budget), ``>= 0``.
+        selection: ``"kvzip"``, ``"rms"`` or ``"omp"``.
         values: ``"fit"``, ``"copy"`` or ``"merge"``.
-        queries: reference queries per KV head (fit + held out), ``>= 16``.
+        queries: reference queries per KV head (fit + held out), ``16 .. 50,000``.
         on_policy: recompute each layer's queries with the earlier layers compacted.
-        held_out_check: keep KVzip's selection for a head whose fit does worse on held-out queries (default true).
+        held_out_check: keep KVzip's selection for a head whose fit does worse on held-out queries (default
+            false; packs built before the default changed recorded true).
         shift: the mass matching's per-query shift, ``"lse"`` (default) or ``"max"`` (``am_fit``'s docstring).
         reference: where the reference queries come from: ``"repeat"`` (KVzip's repeat pass, default),
             ``"continue"`` (``continue_tokens`` tokens the model samples after the context,
-            ``kvpack.methods.am_continue``) or ``"both"`` (one pool of the two).
+            ``kvpack.methods.am_continue``), ``"both"`` (one pool of the two), ``"self-study"`` or
+            ``"self-study+repeat"``.
+        self_study_tokens: answer tokens per self-study prompt at most (default 64), ``>= 1``.
         continue_tokens: sampled tokens for ``"continue"`` and ``"both"`` (one decode step each), ``>= 1``.
         ridge: the values' least squares regularised by ``ridge x mean(diag(X^T X))`` (``am_fit.least_squares``),
             in ``[0, 1]``; 0 (default) is the paper's plain least squares. Plain least squares fits the repeat
@@ -148,6 +169,20 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     def __post_init__(self):
         super().__post_init__()
         self._reservoirs: list[QueryReservoir] | None = None
+        self._schedule = self._schedule_sha256 = None
+        if self.schedule is not None:
+            from .. import storage
+            from ..schedule import load_schedule
+
+            self._schedule = load_schedule(self.schedule)
+            self._schedule_sha256 = hashlib.sha256(storage.read_bytes(self.schedule)).hexdigest()
+
+    def params(self) -> dict:
+        """The parameters, plus ``schedule_sha256`` (of the schedule file's bytes) with a schedule."""
+        out = super().params()
+        if self._schedule_sha256 is not None:
+            out["schedule_sha256"] = self._schedule_sha256
+        return out
 
     def _prepare_repeat_pass(self, cache, start: int) -> None:
         spec = self._spec
@@ -158,10 +193,24 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     def score(self, model, tokenizer, prefill: Prefill, progress: Callable[[int], None] | None = None
               ) -> torch.Tensor:
         self._spec = prefill.spec
+        if self._schedule is not None:
+            from ..schedule import check_schedule
+
+            check_schedule(self._schedule, model, tokenizer, path=f"schedule file {self.schedule}")
         self._reservoirs = self._new_reservoirs(prefill)
         self._model, self._tokenizer = model, tokenizer
         scores = super().score(model, tokenizer, prefill, progress)
-        if self.reference != "repeat":
+        if self.reference in ("self-study", "self-study+repeat"):
+            from .am_selfstudy import self_study_queries
+
+            studied = self_study_queries(model, tokenizer, prefill, self._new_reservoirs(prefill),
+                                         self.self_study_tokens)
+            if self.reference == "self-study":
+                self._reservoirs = studied
+            else:  # one pool, subsampled to ``queries`` by ``QueryReservoir.split``
+                for mine, theirs in zip(self._reservoirs, studied):
+                    mine.parts.extend(theirs.parts)
+        elif self.reference != "repeat":
             from .am_continue import continuation_queries
 
             sampled = continuation_queries(model, tokenizer, prefill, self._new_reservoirs(prefill),
@@ -188,16 +237,40 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         return fit, held, float(reservoir.scaling)
 
     def select(self, scores: torch.Tensor, ratio: float, prefill: Prefill | None = None) -> torch.Tensor:
-        keep = super().select(scores, ratio, prefill)
+        """Keep mask ``[compressed layers, kv_heads, context]`` bool with ``round(ratio x entries)`` entries: the
+        per-head budgets of ``budgets`` (``kvpack.methods.budgets.split``: ``global``, ``global-capped`` and
+        ``schedule`` capped at ``max_head_ratio``, ``uniform``) over KVzip's scores with the last ``recent``
+        tokens of every head first, then within each head KVzip's top scores, or ``reselect_within_heads``."""
+        scores = protect_recent(scores.detach().float().cpu().nan_to_num(nan=float("-inf")), self.recent)
+        fractions = None if self._schedule is None else self._schedule.fractions
+        keep = split(scores, int(round(ratio * scores.numel())), self.budgets, self.max_head_ratio, fractions)
         return keep if self.selection == "kvzip" else self.reselect_within_heads(keep, prefill)
 
     def reselect_within_heads(self, keep: torch.Tensor, prefill: Prefill) -> torch.Tensor:
         """``keep`` ``[compressed layers, kv_heads, context]`` bool with each head's count unchanged and its entries
         re-chosen by the highest RMS attention over the reference queries (``selection="rms"``, the paper's
-        ``score_method="rms"``). Needs ``score()`` first (the recorded queries): ``RuntimeError`` otherwise."""
-        rms = torch.stack([self._rms_scores(prefill, i) for i in range(keep.shape[0])])
+        ``score_method="rms"``) or by OMP (``"omp"``, ``kvpack.methods.am_omp``), the last ``recent`` tokens
+        first either way. Needs ``score()`` first (the recorded queries): ``RuntimeError`` otherwise."""
         layers, heads, n = keep.shape
-        return top_k_rows(rms.reshape(layers * heads, n), keep.sum(dim=2).reshape(-1)).view(keep.shape)
+        counts = keep.sum(dim=2)
+        if self.selection == "omp":
+            return torch.stack([self._omp_keep(prefill, i, counts[i]) for i in range(layers)])
+        rms = protect_recent(torch.stack([self._rms_scores(prefill, i) for i in range(layers)]), self.recent)
+        return top_k_rows(rms.reshape(layers * heads, n), counts.reshape(-1)).view(keep.shape)
+
+    def _omp_keep(self, prefill: Prefill, i: int, counts: torch.Tensor) -> torch.Tensor:
+        """``[kv_heads, context]`` bool: OMP's ``counts[h]`` entries of each head of compressed layer ``i``."""
+        from .am_omp import omp_select
+
+        fit, _, scaling = self._reference(i)
+        keys = prefill.keys[prefill.spec.compressed_layers[i]][:, prefill.sink :].float()
+        n = keys.shape[1]
+        out = torch.zeros(keys.shape[0], n, dtype=torch.bool)
+        for h in range(keys.shape[0]):
+            t = int(counts[h])
+            forced = torch.arange(max(0, n - min(self.recent, t)), n)
+            out[h, omp_select(keys[h], fit[h], scaling, t, forced)] = True
+        return out
 
     def _rms_scores(self, prefill: Prefill, i: int) -> torch.Tensor:
         """``[kv_heads, context]`` float32 on CPU: the RMS over the fit queries of each context entry's attention

@@ -17,7 +17,7 @@ import torch
 from ..attention import use_kvpack_attention
 from ..prefill import Prefill
 
-__all__ = ["CONTINUE_LENGTH", "continuation_queries"]
+__all__ = ["CONTINUE_LENGTH", "continuation_queries", "recording_cache"]
 
 #: Tokens of one sampled continuation at most.
 CONTINUE_LENGTH = 256
@@ -38,11 +38,7 @@ def continuation_queries(model, tokenizer, prefill: Prefill, reservoirs: list, t
     Returns:
         ``reservoirs``, filled. Raises nothing of its own.
     """
-    use_kvpack_attention(model)
-    device = prefill.keys[0].device
-    cache = prefill.view_cache()
-    for i, l in enumerate(prefill.spec.compressed_layers):
-        cache.layers[l].queries = reservoirs[i]
+    cache, device = recording_cache(model, prefill, reservoirs)
     generator = torch.Generator(device=device).manual_seed(seed)
     newline = tokenizer.encode("\n", add_special_tokens=False)
     start = newline[-1] if newline else int(prefill.token_ids[-1])  # a tokenizer without one: the last token
@@ -59,3 +55,14 @@ def continuation_queries(model, tokenizer, prefill: Prefill, reservoirs: list, t
                 break
     cache.rewind()
     return reservoirs
+
+
+def recording_cache(model, prefill: Prefill, reservoirs: list):
+    """``(cache, device)``: a view of the whole prefilled cache (``Prefill.view_cache``) whose compressed layers
+    add the queries of every token fed after the context to ``reservoirs`` (one ``QueryReservoir`` per compressed
+    layer), with kvpack's attention installed on ``model``. ``cache.rewind()`` drops the fed tokens."""
+    use_kvpack_attention(model)
+    cache = prefill.view_cache()
+    for i, l in enumerate(prefill.spec.compressed_layers):
+        cache.layers[l].queries = reservoirs[i]
+    return cache, prefill.keys[0].device

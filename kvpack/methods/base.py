@@ -15,7 +15,9 @@ its paper says so, how it splits the budget (``layer_budgets``, ``select_heads``
 The budget is ``round(ratio x entries)`` context entries over all compressed layers x KV heads x context tokens.
 ``select`` picks the top scores within a scope:
 
-    global  one top-k over everything (heads and layers get non-uniform budgets; KVzip, arXiv 2505.23416 §3.3)
+    global  one top-k over everything (heads and layers get non-uniform budgets; KVzip, arXiv 2505.23416 §3.3);
+            a method with a ``max_head_ratio`` below 1 caps each head at that share of its own entries
+            (``kvpack.methods.budgets.capped_top_k``)
     layer   per-layer budgets (``layer_budgets``, else an even split), top-k over each layer's heads x tokens
     head    the layer budget split evenly over its KV heads (+-1 for rounding), top-k within each head
 
@@ -104,7 +106,12 @@ class Method(MethodParams):
         scope = self.scope
         if per_layer is None:
             if scope == "global":
-                return select_global(scores, ratio)
+                cap = float(getattr(self, "max_head_ratio", 1.0))
+                if cap >= 1.0:
+                    return select_global(scores, ratio)
+                from .budgets import capped_top_k  # budgets imports this module
+
+                return capped_top_k(scores, total, cap)
             per_layer = split_evenly(total, layers)
         elif scope == "global":
             raise RuntimeError(f"{self.name}: layer budgets need the 'layer' or 'head' scope")
@@ -154,7 +161,8 @@ def fit_budgets(weights: torch.Tensor, total: int, low: torch.Tensor, high: torc
         raise ValueError(f"budgets in [{low.tolist()}, {high.tolist()}] cannot sum to {total}")
     if not bool((w > 0).any()):
         w = np.ones_like(w)
-    a, b = 0.0, float((hi / np.maximum(w, 1e-300)).max()) + 1.0
+    pos = w > 0  # zero weights stay at their low bound whatever c: the bound comes from the others
+    a, b = 0.0, float((hi[pos] / w[pos]).max()) + 1.0
     for _ in range(200):  # sum(clamp(c * w)) is non-decreasing in c
         c = (a + b) / 2
         if c in (a, b):  # the interval is down to adjacent floats

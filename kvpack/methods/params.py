@@ -30,7 +30,8 @@ from ..errors import InputError
 
 __all__ = ["Option", "option", "MethodParams", "PARAMS", "CommandLineOption", "command_line_options",
            "parameter_types", "parse_value", "SCOPES", "SCORINGS", "MERGE_MODES", "SELECTIONS", "VALUE_MODES",
-           "REFERENCES", "SHIFTS", "RIDGE_TARGETS", "check_int", "check_float", "check_choice", "check_bool"]
+           "REFERENCES", "SHIFTS", "RIDGE_TARGETS", "BUDGETS", "MAX_QUERIES", "check_int", "check_float",
+           "check_choice", "check_bool"]
 
 #: The top-k scopes of ``Method.select`` (``budget``): one top-k over everything, per layer, per KV head.
 SCOPES = ("global", "layer", "head")
@@ -39,11 +40,17 @@ SCORINGS = ("attention", "plus")
 #: What D2O's merge changes (``merge``): keys and values (the paper's), values only, or nothing (eviction alone).
 MERGE_MODES = ("keys+values", "values", "off")
 #: Attention Matching's within-head selections (``selection``) and value modes (``values``).
-SELECTIONS = ("kvzip", "rms")
+SELECTIONS = ("kvzip", "rms", "omp")
 VALUE_MODES = ("fit", "copy", "merge")
 #: Sources of Attention Matching's reference queries (``reference``): KVzip's repeat pass, sampled
-#: self-continuations, or both.
-REFERENCES = ("repeat", "continue", "both")
+#: self-continuations, both of those, the model's greedy answers to self-study prompts about the context
+#: (``kvpack.methods.am_selfstudy``), or self-study pooled with the repeat pass (the paper's ``ss-plus-repeat``).
+REFERENCES = ("repeat", "continue", "both", "self-study", "self-study+repeat")
+#: Attention Matching's per-head budget splits (``budgets``; ``kvpack.methods.budgets``): KVzip's global top-k,
+#: the same with a per-head cap (``max_head_ratio``), an even split, or a per-model schedule file.
+BUDGETS = ("global", "global-capped", "uniform", "schedule")
+#: Most reference queries per KV head (the paper fits with up to 50,000).
+MAX_QUERIES = 50_000
 #: Per-query shifts of Attention Matching's mass matching (``shift``; ``am_fit``'s module docstring).
 SHIFTS = ("lse", "max")
 #: What Attention Matching's values ridge shrinks them toward (``ridge_to``): zero (a plain ridge) or the selected
@@ -94,6 +101,9 @@ class MethodParams:
 
     name: ClassVar[str] = ""
     scopes: ClassVar[tuple[str, ...]] = ()
+    #: ``{parameter: value}`` a pack recorded before that parameter existed was built with, where that is not the
+    #: parameter's default (a default changed with the parameter's arrival); ``recorded_defaults`` reads it.
+    absent_means: ClassVar[dict[str, Any]] = {}
 
     def __post_init__(self):
         if self.scopes:
@@ -108,6 +118,12 @@ class MethodParams:
     def defaults(cls) -> dict[str, Any]:
         """``{parameter: default}`` of every parameter, read from the fields: nothing is instantiated."""
         return {f.name: f.default for f in fields(cls) if f.init and f.default is not dataclasses.MISSING}
+
+    @classmethod
+    def recorded_defaults(cls) -> dict[str, Any]:
+        """What a pack that does not record a parameter was built with: the defaults, except ``absent_means``
+        (a parameter whose default is not what packs from before it did)."""
+        return {**cls.defaults(), **cls.absent_means}
 
     def params(self) -> dict:
         """The method's parameters as stored in the pack's metadata."""
@@ -132,10 +148,15 @@ class KVzipParams(MethodParams):
     scoring: str = option("attention", "attention (the paper's) or plus (KVzip+: each probability weighted by the "
                                        "entry's output norm relative to the query's hidden state, as kvpress's "
                                        "KVzipPress)", flag="--score", choices=SCORINGS)
+    max_head_ratio: float = option(1.0, "most of a KV head's own context entries its global top-k may keep (the "
+                                        "surplus goes to the other heads by score); 1: no cap (the paper's)",
+                                   low=0.0, high=1.0)
 
     def __post_init__(self):
         super().__post_init__()
         check_int(self.name, "chunk_size", self.chunk_size, 1)
+        check_float(self.name, "max_head_ratio", self.max_head_ratio, 0.0, 1.0, low_open=True)
+        self.max_head_ratio = float(self.max_head_ratio)
         check_int(self.name, "tail_tokens", self.tail_tokens, 0)
         check_choice(self.name, "scoring", self.scoring, SCORINGS)
 
@@ -163,17 +184,31 @@ class AttentionMatchingParams(KVzipParams):
     """``am`` (``kvpack.methods.am.AttentionMatching``); KVzip's parameters drive its selection."""
 
     name: ClassVar[str] = "am"
-    selection: str = option("kvzip", "keys kept within a head, by KVzip's score or RMS attention", flag="--select",
+    absent_means: ClassVar[dict[str, Any]] = {"budgets": "global", "max_head_ratio": 1.0, "recent": 0}
+    max_head_ratio: float = option(0.75, "most of a KV head's own context entries it may keep with --budgets "
+                                         "global-capped or schedule (the paper's --max-ratio-per-head)",
+                                   low=0.0, high=1.0)
+    budgets: str = option("global-capped", "how --ratio is split over (layer, KV head): KVzip's global top-k, "
+                                           "the same capped at --max-head-ratio, an even split, or a --schedule "
+                                           "file's fractions (capped)", choices=BUDGETS)
+    schedule: str | None = option(None, "per-(layer, KV head) budget fractions for --budgets schedule (a "
+                                        "kvpack.schedule safetensors file of this model)", metavar="FILE")
+    recent: int = option(16, "last context tokens every head keeps (counted in its budget; not in the paper)",
+                         low=0)
+    selection: str = option("kvzip", "keys kept within a head: KVzip's score, RMS attention over the reference "
+                                     "queries, or OMP (greedy mass matching; slower)", flag="--select",
                             choices=SELECTIONS)
     values: str = option("fit", "kept values fitted by least squares, copied, or D2O-merged", choices=VALUE_MODES)
-    queries: int = option(4096, "reference queries per KV head", low=16)
+    queries: int = option(4096, "reference queries per KV head", low=16, high=MAX_QUERIES)
     on_policy: bool = option(False, "recompute each layer's queries with the earlier layers compacted")
-    held_out_check: bool = True
+    held_out_check: bool = False
     shift: str = "lse"
     reference: str = option("repeat", "reference queries from KVzip's repeat pass, from 512 tokens the model "
-                                      "samples after the context (slower: a decode step each), or both",
-                            choices=REFERENCES)
+                                      "samples after the context (slower: a decode step each), both, the "
+                                      "model's greedy answers to self-study prompts about the context, or "
+                                      "self-study+repeat", choices=REFERENCES)
     continue_tokens: int = 512
+    self_study_tokens: int = 64
     ridge: float = option(0.0, "ridge of the values' least squares, as a share of the mean diagonal of the normal "
                                "equations (e.g. 0.001); 0 is the paper's plain least squares", low=0.0, high=1.0)
     ridge_to: str = option("zero", "what --ridge shrinks the fitted values toward: zero, or the kept entries' own "
@@ -185,6 +220,18 @@ class AttentionMatchingParams(KVzipParams):
         check_choice(self.name, "selection", self.selection, SELECTIONS)
         check_choice(self.name, "values", self.values, VALUE_MODES)
         check_int(self.name, "queries", self.queries, 16)
+        if self.queries > MAX_QUERIES:
+            raise InputError(f"am: queries must be an integer <= {MAX_QUERIES}, got {self.queries!r}")
+        check_choice(self.name, "budgets", self.budgets, BUDGETS)
+        check_int(self.name, "recent", self.recent, 0)
+        check_int(self.name, "self_study_tokens", self.self_study_tokens, 1)
+        if self.schedule is not None:
+            if not isinstance(self.schedule, (str, Path)):
+                raise InputError(f"am: schedule must be a file path, got {self.schedule!r}")
+            self.schedule = str(self.schedule)
+        if (self.budgets == "schedule") != (self.schedule is not None):
+            raise InputError("am: --budgets schedule (budgets='schedule') and --schedule FILE (schedule=) go "
+                             f"together; got budgets={self.budgets!r}, schedule={self.schedule!r}")
         check_bool(self.name, "on_policy", self.on_policy)
         check_bool(self.name, "held_out_check", self.held_out_check)
         check_choice(self.name, "shift", self.shift, SHIFTS)
@@ -257,10 +304,15 @@ class SnapKVParams(MethodParams):
     question: str | None = option(None, "observe this question instead of the context's tail (query-aware)",
                                   metavar="TEXT")
     budget: str = _budget()
+    max_head_ratio: float = option(1.0, "with --budget global: most of a KV head's own context entries it may keep "
+                                        "(the surplus goes to the other heads by score); 1: no cap",
+                                   low=0.0, high=1.0)
 
     def __post_init__(self):
         super().__post_init__()
         check_int(self.name, "window", self.window, 1)
+        check_float(self.name, "max_head_ratio", self.max_head_ratio, 0.0, 1.0, low_open=True)
+        self.max_head_ratio = float(self.max_head_ratio)
         check_int(self.name, "kernel", self.kernel, 1)
         if self.kernel % 2 == 0:
             raise InputError(f"{self.name}: kernel must be odd (the pooling keeps the length), got {self.kernel}")

@@ -1,0 +1,112 @@
+"""Per-head budgets: how a keep ratio is split over (compressed layer, KV head) pairs, and which entries each head
+keeps (Attention Matching's ``budgets``, ``max_head_ratio`` and ``recent``; the cap also serves KVzip and SnapKV).
+
+Every function takes scores ``[layers, kv_heads, n]`` float32 (higher = more worth keeping; ``n`` context tokens, the
+sink left out) and a ``total`` of context entries to keep, ``0 <= total <= layers x kv_heads x n``, and returns a
+keep mask ``[layers, kv_heads, n]`` bool with exactly ``total`` entries. Ties go to the lower index (stable sorts),
+so every split is deterministic.
+
+    global          one top-k over every entry (KVzip, arXiv 2505.23416 §3.3): heads get very uneven budgets
+    global-capped   the same with no head above ``cap x n`` entries: each head's candidates are its top ``cap x n``
+                    entries, and the global top-k is taken over the candidates, so the surplus of a capped head goes
+                    to the other heads' next-best entries by score (the paper's ``--max-ratio-per-head 0.75``,
+                    arXiv 2602.16284 §4; the official code's ``apply_max_ratio_cap`` redistributes a precomputed
+                    schedule's proportions by water-filling; here the scores decide)
+    uniform         the same budget in every head (+-1 for rounding), top-k within each head (the official code's
+                    default when no schedule is given)
+    schedule        budgets proportional to a per-(layer, KV head) fraction file (``kvpack.schedule``), each
+                    capped at ``cap x n`` (``fit_budgets``: the surplus is redistributed in proportion to the
+                    fractions, as ``apply_max_ratio_cap``), top-k within each head
+
+The cap is raised to ``ceil(total / heads)`` entries when ``total`` would not fit under it (a keep ratio above the
+cap). ``protect_recent`` marks the last ``recent`` tokens of every head ``+inf``, so every split keeps them first
+(counted in the head's budget; a head whose budget holds fewer keeps the earliest of them, ties going to the lower
+index).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import fit_budgets, split_evenly, top_k_rows
+
+__all__ = ["cap_entries", "capped_top_k", "uniform_split", "scheduled_split", "split", "protect_recent"]
+
+
+def cap_entries(cap: float, n: int, total: int, heads: int) -> int:
+    """Most context entries one head may keep: ``floor(cap x n)``, raised to ``ceil(total / heads)`` when the cap
+    cannot hold ``total``, at most ``n``. ``cap`` in (0, 1]; ``heads >= 1``."""
+    return min(n, max(int(math.floor(cap * n + 1e-9)), -(-total // heads)))
+
+
+def capped_top_k(scores: torch.Tensor, total: int, cap: float = 1.0) -> torch.Tensor:
+    """Global top-``total`` with no head above ``cap_entries(cap, ...)`` entries (module docstring,
+    ``global-capped``; ``cap=1`` is the plain global top-k)."""
+    scores = scores.detach().float().cpu()
+    layers, heads, n = scores.shape
+    flat = scores.reshape(layers * heads, n)
+    limit = cap_entries(cap, n, total, layers * heads)
+    if limit < n:  # only each head's top ``limit`` entries can be chosen
+        candidates = top_k_rows(flat, torch.full((layers * heads,), limit, dtype=torch.int64))
+    order = torch.sort(flat.reshape(-1), descending=True, stable=True).indices
+    if limit < n:  # candidates first, each part by score
+        cand = candidates.reshape(-1)[order]
+        order = torch.cat([order[cand], order[~cand]])
+    keep = torch.zeros(flat.numel(), dtype=torch.bool)
+    keep[order[:total]] = True
+    return keep.view(layers, heads, n)
+
+
+def uniform_split(scores: torch.Tensor, total: int) -> torch.Tensor:
+    """``total`` split evenly over every (layer, KV head) (the first ``total % heads`` one more), top-k within each
+    head (module docstring, ``uniform``)."""
+    layers, heads, n = scores.shape
+    budgets = split_evenly(total, layers * heads).clamp_max(n)
+    short = total - int(budgets.sum())  # only when total > heads x n: impossible for total <= numel
+    if short:
+        raise ValueError(f"uniform_split: {total} entries do not fit in {layers * heads} heads of {n}")
+    return top_k_rows(scores.detach().float().cpu().reshape(layers * heads, n), budgets).view(layers, heads, n)
+
+
+def scheduled_split(scores: torch.Tensor, total: int, fractions: torch.Tensor, cap: float = 1.0) -> torch.Tensor:
+    """Budgets proportional to ``fractions`` ``[layers, kv_heads]`` (non-negative; all zero: equal), each at most
+    ``cap_entries(cap, ...)``, summing to ``total`` (``base.fit_budgets``), top-k within each head (module
+    docstring, ``schedule``). Raises ``ValueError`` if ``fractions`` has another shape."""
+    layers, heads, n = scores.shape
+    if tuple(fractions.shape) != (layers, heads):
+        raise ValueError(f"scheduled_split: fractions of shape {list(fractions.shape)} for {layers} layers x "
+                         f"{heads} KV heads")
+    limit = cap_entries(cap, n, total, layers * heads)
+    budgets = fit_budgets(fractions.reshape(-1), total, torch.zeros(layers * heads, dtype=torch.int64),
+                          torch.full((layers * heads,), limit, dtype=torch.int64))
+    return top_k_rows(scores.detach().float().cpu().reshape(layers * heads, n), budgets).view(layers, heads, n)
+
+
+def split(scores: torch.Tensor, total: int, budgets: str, cap: float = 1.0,
+          fractions: torch.Tensor | None = None) -> torch.Tensor:
+    """The keep mask of split ``budgets`` (``global``, ``global-capped``, ``uniform``, ``schedule``; module
+    docstring). ``cap`` applies to ``global-capped`` and ``schedule``; ``fractions`` is the schedule's. Raises
+    ``ValueError`` for another split or a schedule without fractions."""
+    if budgets == "global":
+        return capped_top_k(scores, total, 1.0)
+    if budgets == "global-capped":
+        return capped_top_k(scores, total, cap)
+    if budgets == "uniform":
+        return uniform_split(scores, total)
+    if budgets == "schedule":
+        if fractions is None:
+            raise ValueError("split: budgets='schedule' needs the schedule's fractions")
+        return scheduled_split(scores, total, fractions, cap)
+    raise ValueError(f"split: unknown budgets {budgets!r}")
+
+
+def protect_recent(scores: torch.Tensor, recent: int) -> torch.Tensor:
+    """``scores`` (``[layers, kv_heads, n]``) with the last ``min(recent, n)`` tokens of every head set to ``+inf``
+    (a copy; ``recent = 0``: the scores as given)."""
+    if recent <= 0:
+        return scores
+    out = scores.detach().float().cpu().clone()
+    out[..., max(0, out.shape[-1] - recent):] = float("inf")
+    return out

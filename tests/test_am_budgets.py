@@ -1,0 +1,304 @@
+"""Issue 28: Attention Matching's per-head budgets (global, global-capped, uniform, schedule), the recent floor,
+OMP selection, self-study queries, the cap on KVzip/SnapKV, schedule files, and old packs' parameters."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import kvpack
+from kvpack.errors import InputError, ModelMismatchError
+from kvpack.layout import chat_layout
+from kvpack.methods import get_method
+from kvpack.methods.am_fit import context_attention, nnls_box, BETA_RANGE
+from kvpack.methods.am_omp import omp_select
+from kvpack.methods.base import select_global
+from kvpack.methods.budgets import cap_entries, capped_top_k, protect_recent, scheduled_split, uniform_split
+from kvpack.methods.params import PARAMS
+from kvpack.model import model_spec
+from kvpack.prefill import prefill
+
+from .tiny import TEXT, tiny_model
+
+
+def _skewed(layers=2, heads=3, n=40, seed=0):
+    """Scores where head (0, 0) outranks every other entry: the global top-k gives it everything first."""
+    gen = torch.Generator().manual_seed(seed)
+    s = torch.rand(layers, heads, n, generator=gen)
+    s[0, 0] += 10.0
+    return s
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# splits
+
+
+def test_capped_top_k_keeps_no_head_above_the_cap_and_the_exact_total():
+    s = _skewed()
+    total = int(round(0.3 * s.numel()))  # 72 > 40: uncapped, head (0, 0) keeps all 40
+    assert int(select_global(s, 0.3)[0, 0].sum()) == 40
+    keep = capped_top_k(s, total, 0.75)
+    assert int(keep.sum()) == total
+    assert int(keep.sum(dim=2).max()) == 30  # floor(0.75 x 40), reached by the dominant head
+    # the surplus goes by score: the other heads keep their own top entries, and the capped head its top 30
+    assert torch.equal(keep[0, 0], s[0, 0] >= s[0, 0].sort(descending=True).values[29])
+    others = s.clone()
+    others[0, 0] = float("-inf")
+    expected = select_global(others, (total - 30) / s.numel())
+    expected[0, 0] = keep[0, 0]
+    assert torch.equal(keep, expected)
+
+
+def test_capped_top_k_is_the_global_top_k_when_no_head_reaches_the_cap():
+    s = torch.rand(3, 4, 50, generator=torch.Generator().manual_seed(1))
+    for ratio in (0.1, 0.3):
+        total = int(round(ratio * s.numel()))
+        assert torch.equal(capped_top_k(s, total, 0.75), select_global(s, ratio))
+        assert torch.equal(capped_top_k(s, total, 1.0), select_global(s, ratio))
+
+
+def test_the_cap_rises_when_the_ratio_exceeds_it():
+    assert cap_entries(0.75, 40, total=0.9 * 40 * 6, heads=6) == 36
+    keep = capped_top_k(_skewed(), int(0.9 * 240), 0.5)
+    assert int(keep.sum()) == 216 and int(keep.sum(dim=2).max()) == 36
+
+
+def test_uniform_split_gives_every_head_the_same_budget():
+    s = _skewed()
+    keep = uniform_split(s, 60)
+    assert keep.sum(dim=2).flatten().tolist() == [10] * 6
+    keep = uniform_split(s, 62)
+    assert sorted(keep.sum(dim=2).flatten().tolist()) == [10, 10, 10, 10, 11, 11]
+    # within a head, its top scores
+    top = s[1, 2].sort(descending=True).indices[:10]
+    assert torch.equal(keep[1, 2].nonzero().squeeze(1), top.sort().values)
+
+
+def test_scheduled_split_follows_the_fractions_under_the_cap():
+    s = _skewed()
+    fractions = torch.tensor([[4.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    keep = scheduled_split(s, 64, fractions, cap=1.0)
+    assert keep.sum(dim=2).tolist() == [[32, 8, 8], [8, 8, 0]]
+    keep = scheduled_split(s, 64, fractions, cap=0.5)  # head (0, 0) capped at 20; its surplus by the fractions
+    counts = keep.sum(dim=2)
+    assert int(counts.sum()) == 64 and int(counts[0, 0]) == 20 and int(counts[1, 2]) == 0
+    assert counts[0, 1:].tolist() == [11, 11] and counts[1, :2].tolist() == [11, 11]
+    with pytest.raises(ValueError, match="shape"):
+        scheduled_split(s, 64, torch.ones(3, 2))
+
+
+def test_am_select_split_cap_and_recent_floor():
+    s = _skewed()
+    am = get_method("am", recent=8)  # global-capped at 0.75
+    keep = am.select(s, 0.3)
+    assert int(keep.sum()) == 72 and int(keep.sum(dim=2).max()) <= 30
+    assert bool(keep[..., -8:].all())  # every head keeps its last 8 tokens (48 of the 72)
+    uni = get_method("am", budgets="uniform", recent=4).select(s, 0.3)
+    assert uni.sum(dim=2).flatten().tolist() == [12] * 6 and bool(uni[..., -4:].all())
+    old = get_method("am", budgets="global", recent=0).select(s, 0.3)
+    assert torch.equal(old, select_global(s, 0.3))
+    assert torch.equal(protect_recent(s, 0), s)
+
+
+def test_kvzip_and_snapkv_cap_is_off_by_default_and_caps_when_asked():
+    s = _skewed()
+    assert torch.equal(get_method("kvzip").select(s, 0.3), select_global(s, 0.3))
+    capped = get_method("kvzip", max_head_ratio=0.75).select(s, 0.3)
+    assert int(capped.sum()) == 72 and int(capped.sum(dim=2).max()) == 30
+    snap = get_method("snapkv", budget="global", max_head_ratio=0.5).select(s, 0.3)
+    assert int(snap.sum()) == 72 and int(snap.sum(dim=2).max()) == 20
+    for bad in (0, 1.5, -0.1):
+        with pytest.raises(InputError, match="max_head_ratio"):
+            get_method("kvzip", max_head_ratio=bad)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# OMP
+
+
+def _omp_by_hand(keys, queries, scaling, t):
+    """The same greedy, one key per step, written with explicit loops (the reference OMP)."""
+    _, lse = context_attention(queries, keys, keys, scaling)
+    E = ((queries @ keys.T) * scaling - lse[:, None]).exp()
+    y = torch.ones(E.shape[0])
+    chosen, current = [], torch.zeros_like(y)
+    for _ in range(t):
+        r = y - current
+        best, best_c = None, -math.inf
+        for j in range(keys.shape[0]):
+            if j in chosen:
+                continue
+            c = float(sum(E[i, j] * r[i] for i in range(E.shape[0])))
+            if c > best_c:
+                best, best_c = j, c
+        chosen.append(best)
+        sel = torch.tensor(sorted(chosen))
+        current = E[:, sel] @ nnls_box(E[:, sel], y, math.exp(BETA_RANGE[0]), math.exp(BETA_RANGE[1]))
+    return sorted(chosen)
+
+
+def test_omp_matches_the_greedy_by_hand_on_a_tiny_head():
+    gen = torch.Generator().manual_seed(3)
+    keys, queries = torch.randn(9, 4, generator=gen), torch.randn(12, 4, generator=gen)
+    for t in (1, 3, 5):
+        got = omp_select(keys, queries, 0.5, t, steps=t)  # one key per step
+        assert got.tolist() == _omp_by_hand(keys, queries, 0.5, t)
+
+
+def test_omp_finds_the_keys_that_hold_the_mass_and_keeps_forced_ones():
+    """Two keys aligned with every query hold nearly all attention: OMP's first two picks (brute force: the best
+    pair by mass error among all pairs)."""
+    gen = torch.Generator().manual_seed(4)
+    keys = 0.05 * torch.randn(8, 4, generator=gen)
+    keys[2] = torch.tensor([4.0, 0, 0, 0])
+    keys[6] = torch.tensor([0, 4.0, 0, 0])
+    queries = torch.rand(20, 4, generator=gen) + torch.tensor([1.0, 1.0, 0, 0])
+    _, lse = context_attention(queries, keys, keys, 1.0)
+    E = ((queries @ keys.T) - lse[:, None]).exp()
+    y = torch.ones(20)
+
+    def err(pair):
+        M = E[:, list(pair)]
+        return float((M @ nnls_box(M, y, math.exp(-3), math.exp(3), iters=50) - y).norm())
+
+    best = min(itertools.combinations(range(8), 2), key=err)
+    assert omp_select(keys, queries, 1.0, 2, steps=2).tolist() == sorted(best) == [2, 6]
+    got = omp_select(keys, queries, 1.0, 3, forced=torch.tensor([7]))
+    assert 7 in got.tolist() and len(got) == 3
+    assert omp_select(keys, queries, 1.0, 8).tolist() == list(range(8))
+    with pytest.raises(ValueError):
+        omp_select(keys, queries, 1.0, 1, forced=torch.tensor([0, 1]))
+
+
+def test_am_omp_and_rms_selection_build_and_keep_the_split_counts():
+    model, tok = tiny_model("llama")
+    base = kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="am", ratio=0.3, chunk_size=40)
+    for sel in ("omp", "rms"):
+        pack = kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="am", ratio=0.3, chunk_size=40,
+                               selection=sel)
+        for a, b in zip(pack.layers, base.layers):
+            assert torch.equal(a.head_lengths, b.head_lengths)
+        kvpack.KvpackCache.from_pack(pack)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# self-study queries
+
+
+def _scorer(**options):
+    model, tok = tiny_model("llama")
+    spec, layout = model_spec(model), chat_layout(tok)
+    prefix = layout.prefix_ids(tok)
+    full = prefill(model, prefix + layout.encode(tok, TEXT), len(prefix), layout, spec, 40)
+    scorer = get_method("am", chunk_size=40, queries=50_000, **options)
+    scorer.score(model, tok, full)
+    return scorer
+
+
+def test_self_study_queries_are_deterministic_and_pool_with_the_repeat_pass():
+    a, b = _scorer(reference="self-study", self_study_tokens=5), _scorer(reference="self-study", self_study_tokens=5)
+    pa = [torch.cat(r.parts, dim=1) for r in a._reservoirs]
+    pb = [torch.cat(r.parts, dim=1) for r in b._reservoirs]
+    assert all(torch.equal(x, y) for x, y in zip(pa, pb))
+    repeat = _scorer()
+    both = _scorer(reference="self-study+repeat", self_study_tokens=5)
+    for r, s, bo in zip(repeat._reservoirs, a._reservoirs, both._reservoirs):
+        rows = lambda res: sum(p.shape[1] for p in res.parts)  # noqa: E731
+        assert rows(bo) == rows(r) + rows(s) and rows(s) > 0
+    # more answer tokens, more queries (greedy answers that did not stop at end-of-sequence)
+    longer = _scorer(reference="self-study", self_study_tokens=9)
+    assert sum(p.shape[1] for p in longer._reservoirs[0].parts) >= sum(p.shape[1] for p in a._reservoirs[0].parts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# schedule files
+
+
+def test_schedule_file_round_trip_validation_and_model_check(tmp_path):
+    from kvpack.fingerprint import model_fingerprint
+    from kvpack.schedule import (HeadSchedule, check_schedule, load_schedule, save_schedule,
+                                 schedule_from_scores)
+
+    model, tok = tiny_model("llama")
+    spec = model_spec(model)
+    layers = list(spec.compressed_layers)
+    scores = [torch.rand(len(layers), spec.num_kv_heads, 30, generator=torch.Generator().manual_seed(i))
+              for i in range(2)]
+    sched = schedule_from_scores(scores, 0.3, 0.75, layers, model_fingerprint(model, tok))
+    torch.testing.assert_close(sched.fractions.sum(), torch.tensor(1.0))
+    path = tmp_path / "schedule.safetensors"
+    save_schedule(sched, path)
+    back = load_schedule(path)
+    assert torch.equal(back.fractions, sched.fractions) and back.compressed_layers == layers
+    check_schedule(back, model, tok)
+    other, otok = tiny_model("qwen3")
+    with pytest.raises(ModelMismatchError):
+        check_schedule(back, other, otok)
+    # the method reads it, records its hash, and splits by it
+    pack = kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="am", ratio=0.3, chunk_size=40,
+                           budgets="schedule", schedule=str(path))
+    assert len(pack.metadata["method_params"]["schedule_sha256"]) == 64
+    with pytest.raises(InputError, match="schedule"):
+        get_method("am", budgets="schedule")
+    with pytest.raises(InputError, match="schedule"):
+        get_method("am", schedule=str(path))
+    # hostile files
+    bad = HeadSchedule(-sched.fractions, layers, sched.fingerprint)
+    save_schedule(bad, tmp_path / "neg.safetensors")
+    with pytest.raises(InputError, match="non-negative"):
+        load_schedule(tmp_path / "neg.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    with pytest.raises(InputError, match="not a valid safetensors"):
+        load_schedule(tmp_path / "junk.safetensors")
+    from kvpack.heads import save_head_scores, HeadScores
+
+    heads = HeadScores(scores=torch.ones(len(layers), spec.num_kv_heads),
+                       context_scores=torch.ones(1, len(layers), spec.num_kv_heads), compressed_layers=layers,
+                       fingerprint=sched.fingerprint, contexts=[{"name": "a", "sha256": "0", "tokens": 1}],
+                       method={"scoring": "attention"})
+    save_head_scores(heads, tmp_path / "heads.safetensors")
+    with pytest.raises(InputError, match="not a kvpack head schedule"):
+        load_schedule(tmp_path / "heads.safetensors")
+    with pytest.raises(InputError, match="does not exist"):
+        load_schedule(tmp_path / "missing.safetensors")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# parameters: options, specs, old packs
+
+
+def test_new_options_are_flags_and_specs_with_their_checks():
+    from kvpack.bench.specs import parse_method_spec
+    from kvpack.methods.params import command_line_options
+
+    flags = {o.flag: o for o in command_line_options()}
+    for flag in ("--budgets", "--max-head-ratio", "--recent", "--schedule", "--select", "--reference"):
+        assert flag in flags
+    assert "omp" in flags["--select"].choices and "self-study+repeat" in flags["--reference"].choices
+    assert {u[0] for u in flags["--max-head-ratio"].uses} == {"kvzip", "am", "snapkv", "pyramidkv"}
+    assert parse_method_spec("am[budgets=uniform;recent=0;max_head_ratio=0.5;selection=omp]") == (
+        "am", {"budgets": "uniform", "recent": 0, "max_head_ratio": 0.5, "selection": "omp"})
+    assert parse_method_spec("kvzip[max_head_ratio=0.75]") == ("kvzip", {"max_head_ratio": 0.75})
+    for bad in ({"budgets": "even"}, {"recent": -1}, {"queries": 50_001}, {"reference": "ss"},
+                {"selection": "lasso"}, {"self_study_tokens": 0}):
+        with pytest.raises(InputError):
+            get_method("am", **bad)
+    assert get_method("am", queries=50_000).queries == 50_000
+
+
+def test_packs_from_before_the_budgets_read_as_built_with_the_global_split():
+    """A pack recorded without ``budgets``/``max_head_ratio``/``recent`` was built with KVzip's global split: its
+    completed parameters say so, so a build with the new defaults rebuilds it; a KVzip pack is unchanged (the cap
+    is off by default)."""
+    from kvpack.build import _with_defaults
+
+    am = PARAMS["am"]
+    old = {k: v for k, v in am.defaults().items() if k not in ("budgets", "max_head_ratio", "recent")}
+    done = _with_defaults("am", old)
+    assert (done["budgets"], done["max_head_ratio"], done["recent"]) == ("global", 1.0, 0)
+    assert done != get_method("am").params()
+    kv_old = {k: v for k, v in PARAMS["kvzip"].defaults().items() if k != "max_head_ratio"}
+    assert _with_defaults("kvzip", kv_old) == get_method("kvzip").params()
