@@ -59,9 +59,9 @@ def test_the_short_name_is_smollm2_and_its_packs_store_bfloat16_or_float16(smoll
     pack = kvpack.compress(model, tok, context, method="none")
     assert pack.layers[0].keys.dtype == torch.float16  # the GGUF dequantizes to float32: stored as float16
     assert pack.metadata["fingerprint"]["name"] == "smollm2-135m"
-    kvpack.save(pack, tmp_path / "none.kvpack")
+    kvpack.save(pack, tmp_path / "none.kvpack", zstd_level=3)  # kvpack build's default
     fp16_cache = 2 * 30 * 3 * 64 * pack.original_tokens * 2  # keys + values, layers, KV heads, head_dim, 2 bytes
-    assert (tmp_path / "none.kvpack").stat().st_size <= fp16_cache
+    assert (tmp_path / "none.kvpack").stat().st_size <= fp16_cache  # 0.84x at 2K tokens (BENCHMARKS.md)
     assert 900 < pack.original_tokens < 1200
 
 
