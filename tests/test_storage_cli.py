@@ -106,7 +106,7 @@ def test_build_from_and_to_memory_writes_the_local_bytes_and_info_verify_ask_rea
     listed = [json.loads(l) for l in _run(["ls", "memory://corpus/packs", "--json"]).stdout.splitlines()]
     assert sorted(r["pack"] for r in listed) == PACKS
     again = _run(["build", "memory://corpus/docs", "--out", "memory://corpus/packs", "--model", llama,
-                  "--chunk-size", "64"])
+                  "--chunk-size", "64", "--kv-dtype", "float32"])
     assert "0 built, 3 up to date, 0 replaced; 0 failed" in again.output
     assert len(storage.read_bytes(f"memory://corpus/packs/{MANIFEST_NAME}").splitlines()) == 3
 
