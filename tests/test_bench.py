@@ -134,7 +134,9 @@ def test_quick_cli(tmp_path):
     assert "snapkv-q@0.3" in mq and mq["snapkv-q@0.3"]["first"] is not None
 
     cont = {s["label"]: s for s in results["continuation"]["summary"]}
-    assert abs(cont["none@1"]["delta_nll"]) < 1e-4 and abs(cont["none@1"]["kl"]) < 1e-4
+    # the keep-everything pack differs from the full cache only by its float16 storage (--kv-dtype auto): 1.5e-4
+    # nats/token on this passage; a float32 pack is exact to 1e-6
+    assert abs(cont["none@1"]["delta_nll"]) < 1e-3 and abs(cont["none@1"]["kl"]) < 1e-3
     assert cont["kvzip@0.3"]["kl"] >= 0 and cont["full"]["nll"] > 0
 
     speed = results["speed"]
