@@ -135,7 +135,7 @@ def test_quick_cli(tmp_path):
 
     cont = {s["label"]: s for s in results["continuation"]["summary"]}
     # the keep-everything pack differs from the full cache only by its float16 storage (--kv-dtype auto): 1.5e-4
-    # nats/token on this passage; a float32 pack is exact to 1e-6
+    # nats/token on this passage (float32 packs met 1e-4)
     assert abs(cont["none@1"]["delta_nll"]) < 1e-3 and abs(cont["none@1"]["kl"]) < 1e-3
     assert cont["kvzip@0.3"]["kl"] >= 0 and cont["full"]["nll"] > 0
 
