@@ -125,7 +125,8 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     SVD pseudo-inverse), as the paper does. One guard of kvpack's own (not in the paper, which fits with up to
     50,000 queries per head): a head keeping more than ``1 / OVERDETERMINED`` of its fit queries' count is not
     fitted (least squares would interpolate noise; nor is a head that keeps none or all of its context entries,
-    where there is nothing to fit). ``held_out_check`` (off by default since the paper has no such rule) keeps the
+    where there is nothing to fit). ``held_out_check`` (on by default, though the paper has no such rule: without it
+    SmolLM2 at keep 0.1 answered a planted-fact question with an empty string) keeps the
     selection (beta = 0, values copied) for a head whose fit is worse on the held-out queries. A fit whose values
     leave ``[-MAX_KV_ABS, MAX_KV_ABS]`` (an ill-conditioned system; ``kvpack.load`` would refuse the pack) is
     always rejected that way. Either way the head keeps its selected entries as they are.
@@ -147,7 +148,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         queries: reference queries per KV head (fit + held out), ``16 .. 50,000``.
         on_policy: recompute each layer's queries with the earlier layers compacted.
         held_out_check: keep KVzip's selection for a head whose fit does worse on held-out queries (default
-            false; packs built before the default changed recorded true).
+            true: measured on SmolLM2, BENCHMARKS.md).
         shift: the mass matching's per-query shift, ``"lse"`` (default) or ``"max"`` (``am_fit``'s docstring).
         reference: where the reference queries come from: ``"repeat"`` (KVzip's repeat pass, default),
             ``"continue"`` (``continue_tokens`` tokens the model samples after the context,
