@@ -107,7 +107,7 @@ def test_info_describes_the_pack(built):
     out = _run(["info", str(packs / "alpha.kvpack")]).stdout
     for pattern in (r"format\s+kvpack 1\.0, [\d,]+ bytes, tensor checksums XXH3-128", r"(?m)quantization\s+none$",
                     r"zstd\s+level 3: [\d,]+ bytes on disk, [\d,]+ decoded",
-                    r"method\s+kvzip \(chunk_size=64, scoring=attention, tail_tokens=8\)", r"ratio\s+0\.3",
+                    r"method\s+kvzip \(chunk_size=64, max_head_ratio=1.0, scoring=attention, tail_tokens=8\)", r"ratio\s+0\.3",
                     r"architecture\s+LlamaForCausalLM", r"heads\s+4 query, 2 KV", r"head dim\s+16",
                     r"tokens\s+\d+ \(\d+ sink \+ \d+ context\)", r"source\s+alpha\.txt \(sha256 [0-9a-f]{12}",
                     r"weights\s+sha256 [0-9a-f]{12}\.\.\.", r"kvpack version\s+0\.1\.0"):
@@ -233,12 +233,12 @@ def test_python_dash_m_and_version():
     (["--method", "random", "--seed", "3", "--budget", "layer"], "method\\s+random \\(budget=layer, seed=3\\)"),
     (["--method", "none"], "method\\s+none$"),
     (["--method", "am", "--select", "rms", "--values", "copy", "--queries", "64", "--on-policy"],
-     "method\\s+am \\(.*on_policy=True, queries=64, reference=repeat, ridge=0.0, ridge_to=zero, scoring=attention, "
-     "selection=rms, .*values=copy\\)"),
+     "method\\s+am \\(.*on_policy=True, queries=64, recent=16, reference=repeat, ridge=0.0, ridge_to=zero, .*"
+     "scoring=attention, selection=rms, .*values=copy\\)"),
     (["--method", "am", "--reference", "both", "--queries", "64"],
-     "method\\s+am \\(.*queries=64, reference=both, .*values=fit\\)"),
+     "method\\s+am \\(.*queries=64, recent=16, reference=both, .*values=fit\\)"),
     (["--method", "am", "--ridge", "0.001", "--queries", "64"],
-     "method\\s+am \\(.*queries=64, reference=repeat, ridge=0.001, ridge_to=zero, .*values=fit\\)"),
+     "method\\s+am \\(.*queries=64, recent=16, reference=repeat, ridge=0.001, ridge_to=zero, .*values=fit\\)"),
     (["--method", "am", "--ridge", "1", "--ridge-to", "selected", "--queries", "64"],
      "method\\s+am \\(.*ridge=1.0, ridge_to=selected, .*values=fit\\)"),
 ])

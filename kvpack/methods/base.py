@@ -30,13 +30,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
-import numpy as np
 import torch
 
 from ..model import ModelSpec
 from ..pack import LayerEntries
 from ..prefill import Prefill
 from ..stats import AttentionRecorder
+from .budgets import capped_top_k, fit_budgets, split_evenly, top_k_rows
 from .params import SCOPES, MethodParams
 
 __all__ = ["Method", "SCOPES", "select_global", "top_k_rows", "split_evenly", "fit_budgets", "gather",
@@ -109,8 +109,6 @@ class Method(MethodParams):
                 cap = float(getattr(self, "max_head_ratio", 1.0))
                 if cap >= 1.0:
                     return select_global(scores, ratio)
-                from .budgets import capped_top_k  # budgets imports this module
-
                 return capped_top_k(scores, total, cap)
             per_layer = split_evenly(total, layers)
         elif scope == "global":
@@ -127,71 +125,6 @@ class Method(MethodParams):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# budgets and top-k
-
-
-def split_evenly(total: int, parts: int) -> torch.Tensor:
-    """``[parts]`` int64 summing to ``total``: ``total // parts`` each, the first ``total % parts`` one more."""
-    out = torch.full((parts,), total // parts, dtype=torch.int64)
-    out[: total % parts] += 1
-    return out
-
-
-def fit_budgets(weights: torch.Tensor, total: int, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
-    """Integer budgets proportional to ``weights``, clamped to ``[low, high]``, summing to ``total`` exactly.
-
-    The continuous solution is ``x_l = clamp(c * w_l, low_l, high_l)`` with ``c`` found by bisection so that
-    ``sum x = total`` (what a layer loses to its clamp is redistributed to the others in proportion to their
-    weights); it is then rounded down and the remainder handed out by largest fractional part.
-
-    Args:
-        weights: ``[n]`` non-negative (all zero: equal weights).
-        total: the budget; ``low.sum() <= total <= high.sum()``.
-        low, high: ``[n]`` int64 bounds, ``low <= high``.
-
-    Returns:
-        ``[n]`` int64, ``low <= out <= high``, ``out.sum() == total``.
-
-    Raises:
-        ValueError: the bounds cannot hold ``total``.
-    """
-    w = weights.detach().double().cpu().clamp_min(0).numpy()
-    lo, hi = low.cpu().double().numpy(), high.cpu().double().numpy()
-    if not (lo.sum() <= total <= hi.sum()) or bool((lo > hi).any()):
-        raise ValueError(f"budgets in [{low.tolist()}, {high.tolist()}] cannot sum to {total}")
-    if not bool((w > 0).any()):
-        w = np.ones_like(w)
-    pos = w > 0  # zero weights stay at their low bound whatever c: the bound comes from the others
-    a, b = 0.0, float((hi[pos] / w[pos]).max()) + 1.0
-    for _ in range(200):  # sum(clamp(c * w)) is non-decreasing in c
-        c = (a + b) / 2
-        if c in (a, b):  # the interval is down to adjacent floats
-            break
-        if float(np.clip(c * w, lo, hi).sum()) < total:
-            a = c
-        else:
-            b = c
-    x = np.clip(b * w, lo, hi)
-    out = np.clip(np.floor(x), lo, hi).astype(np.int64)
-    order = np.argsort(np.floor(x) - x, kind="stable")  # largest fractional part first, ties by index
-    while int(out.sum()) != total:
-        step = 1 if int(out.sum()) < total else -1
-        for i in order if step > 0 else order[::-1]:
-            if int(out.sum()) == total:
-                break
-            if (step > 0 and out[i] < hi[i]) or (step < 0 and out[i] > lo[i]):
-                out[i] += step
-    return torch.from_numpy(out)
-
-
-def top_k_rows(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``[rows, n]`` bool marking the ``k[r]`` highest scores of each row ``r`` (``scores``: ``[rows, n]``,
-    ``k``: ``[rows]`` int64, ``0 <= k <= n``). Ties go to the lower index (stable sort)."""
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices
-    ranked = torch.arange(scores.shape[1])[None, :] < k.reshape(-1, 1)
-    return torch.zeros(scores.shape, dtype=torch.bool).scatter_(1, order, ranked)
-
-
 def select_global(scores: torch.Tensor, ratio: float) -> torch.Tensor:
     """Keep mask ``[layers, kv_heads, tokens]`` bool of the top ``round(ratio * scores.numel())`` scores.
 
