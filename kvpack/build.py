@@ -342,12 +342,10 @@ def _header_settings(header: PackHeader) -> dict:
     meta = header.metadata
     quant = ([header.quant_type, header.group_size, header.quant_layout] if header.group_size
              else [C.QUANT_NONE, None, None])
-    keys = header.tensors.get(C.KEYS)
-    kv_dtype = C.KV_DTYPE_NAMES.get(keys.dtype) if keys is not None else None
     return {"method": meta.get("method"), "ratio": meta.get("ratio"),
             "method_params": _with_defaults(meta.get("method"), meta.get("method_params")),
             "quant": quant, "zstd_level": header.zstd_level, "checksum": header.checksum,
-            "kv_dtype": kv_dtype}
+            "kv_dtype": header.kv_dtype_name}
 
 
 def _stored_as(kv_dtype: Any, asked: str) -> Any:

@@ -82,6 +82,13 @@ class PackHeader:
         return None if self.group_size is None else C.QUANT_LAYOUT_COMPACT
 
     @property
+    def kv_dtype_name(self) -> str | None:
+        """``kv_dtype``'s name (``"float16"``, ``"bfloat16"``, ``"float32"``: ``--kv-dtype``) without importing
+        torch (``ls``, the build's up-to-date check); ``None`` without a ``keys`` tensor."""
+        keys = self.tensors.get(C.KEYS)
+        return C.KV_DTYPE_NAMES.get(keys.dtype) if keys is not None else None
+
+    @property
     def has_biases(self) -> bool:
         """Whether the file stores per-entry attention biases (``attn_bias``)."""
         return C.ATTN_BIAS in self.tensors

@@ -70,15 +70,9 @@ def describe_pack(path: str | os.PathLike, header: PackHeader | None = None, *,
         "sink_tokens": meta.get("sink_tokens"), "entries_kept": header.entries, "quant": header.quant_type,
         "group_size": header.group_size, "zstd_level": header.zstd_level,
         "source": {k: source.get(k) for k in ("name", "sha256", "chars")}, "model": fp.get("name"),
-        "architecture": fp.get("architecture"), "dtype": fp.get("dtype"), "kv_dtype": _kv_dtype(header),
+        "architecture": fp.get("architecture"), "dtype": fp.get("dtype"), "kv_dtype": header.kv_dtype_name,
         "kvpack_version": meta.get("kvpack_version"),
     }
-
-
-def _kv_dtype(header) -> str | None:
-    """The dtype name the pack stores its full-precision keys in (from the tensor index; ``--kv-dtype``)."""
-    keys = header.tensors.get(C.KEYS)
-    return C.KV_DTYPE_NAMES.get(keys.dtype) if keys is not None else None
 
 
 def list_packs(folder: str | os.PathLike, *, storage_options: dict | None = None) -> list[dict[str, Any]]:
@@ -178,7 +172,7 @@ def info_text(file: str | os.PathLike, *, storage_options: dict | None = None) -
         ("  RoPE", ", ".join(f"{k}={v}" for k, v in sorted(rope.items())) or "-"),
         ("  sliding layers", (f"{', '.join(map(str, sliding))} (window {fp.get('sliding_window')}, kept intact)"
                               if sliding else "none")),
-        ("  dtype", f"computed in {fp.get('dtype', '?')}, KV stored in {_kv_dtype(header) or '?'}"),
+        ("  dtype", f"computed in {fp.get('dtype', '?')}, KV stored in {header.kv_dtype_name or '?'}"),
         ("  tokenizer", f"sha256 {_short(fp.get('tokenizer_sha256'))}"),
         ("  weights", f"sha256 {_short(fp.get('weights_sha256'))}"),
         ("method", f"{meta.get('method', '?')}"
