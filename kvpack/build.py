@@ -1,7 +1,7 @@
 """``kvpack build`` as a library: plan which contexts need building (no model needed), then build them.
 
     contexts = discover_contexts(["docs/"])                     # kvpack.inputs: mirrored names, bad ones marked
-    settings = build_settings(method="kvzip", ratio=0.3)         # validated, no model needed
+    settings = BuildSettings.make(method="kvzip", ratio=0.3)    # kvpack.build_settings: checked, no model needed
     plan = plan_build(contexts, "packs/", settings, model_id=model_identity(None))
     if plan.needs_model:                                         # False when every pack is up to date
         model, tok = kvpack.load_model()
@@ -35,20 +35,17 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from . import constants as C
-from . import settings as S
 from . import storage
+from .build_settings import BuildSettings
 from .compress import compress, max_context_tokens
 from .errors import InputError, KvpackError
-from .fileformat import PackHeader, check_storage_args, read_header, save, verify
+from .fileformat import PackHeader, read_header, save, verify
 from .fingerprint import check_fingerprint, model_fingerprint
 from .layout import chat_layout
 from .manifest import MANIFEST_NAME, ManifestWriter, read_manifest
-from .methods import get_method
 from .methods.params import PARAMS
 from .model import model_spec
 from .names import part_name
-from .quant import check_quant_args
-from .settings import DEFAULT_CHUNK_SIZE, DEFAULT_RATIO
 from .inputs import SUFFIXES, Context, discover_contexts, split_text
 
 __all__ = [
@@ -57,9 +54,9 @@ __all__ = [
     "Context",
     "BuildResult",
     "BuildPlan",
+    "BuildSettings",
     "discover_contexts",
     "default_out_dir",
-    "build_settings",
     "plan_build",
     "item_needs_model",
     "run_build",
@@ -127,10 +124,11 @@ class _Item:
 @dataclass
 class BuildPlan:
     """What ``plan_build`` found: the contexts in order, each up to date (``header`` or ``parts`` set), failed
-    (``ctx.error``) or to build. ``needs_model`` says whether ``run_build`` needs a model."""
+    (``ctx.error``) or to build, with the ``settings`` they are built with. ``needs_model`` says whether
+    ``run_build`` needs a model."""
 
     out: Path | str
-    settings: dict[str, Any]
+    settings: BuildSettings
     model_id: dict[str, Any] | None
     overwrite: bool
     items: list[_Item]
@@ -179,39 +177,7 @@ def default_out_dir(inputs: Iterable[str | os.PathLike]) -> Path | str:
 # settings and plan (no model)
 
 
-def build_settings(*, method: str = "kvzip", ratio: float = DEFAULT_RATIO, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                   quant: str = C.QUANT_NONE, group_size: int = S.DEFAULT_GROUP_SIZE,
-                   zstd_level: int = S.DEFAULT_ZSTD_LEVEL, checksum: str = S.DEFAULT_CHECKSUM,
-                   kv_dtype: str = "auto", **options) -> dict:
-    """The validated settings of a build, as JSON (what an up-to-date pack records), without a model.
-
-    Returns:
-        ``{"method", "method_params", "ratio", "quant": [type, group size, layout] (``[none, None, None]``),
-        "zstd_level", "checksum", "kv_dtype", "chunk_size", "options"}``; ``ratio`` is the one recorded (1.0 for
-        ``none``); ``kv_dtype`` as asked (``"auto"``: the model's 16-bit dtype, ``kvpack.model.resolve_kv_dtype``).
-
-    Raises:
-        InputError: bad method, option, ratio, chunk size, quantization, group size, zstd level, checksum or
-            kv_dtype.
-    """
-    if not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0.0 < ratio <= 1.0):
-        raise InputError(f"ratio must be in (0, 1] (the fraction of KV entries kept), got {ratio!r}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise InputError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}")
-    scorer = get_method(method, {"chunk_size": chunk_size}, **options)  # the same default compress applies
-    if quant != C.QUANT_NONE:
-        check_quant_args(quant, group_size, allowed_group_sizes=S.GROUP_SIZES)
-    check_storage_args(zstd_level, checksum)
-    if kv_dtype not in S.DTYPES:
-        raise InputError(f"unknown kv_dtype {kv_dtype!r}; choose one of {', '.join(S.DTYPES)}")
-    stored = [quant, group_size, C.QUANT_LAYOUT_COMPACT] if quant != C.QUANT_NONE else [C.QUANT_NONE, None, None]
-    return json.loads(json.dumps({
-        "method": scorer.name, "method_params": scorer.params(), "ratio": float(scorer.kept_ratio(ratio)),
-        "quant": stored, "zstd_level": zstd_level, "checksum": checksum, "kv_dtype": kv_dtype,
-        "chunk_size": chunk_size, "options": options}))
-
-
-def plan_build(contexts: Iterable[Context], out_dir: str | os.PathLike, settings: dict, *,
+def plan_build(contexts: Iterable[Context], out_dir: str | os.PathLike, settings: BuildSettings, *,
                model_id: dict | None = None, overwrite: bool = False, split: bool = False,
                storage_options: dict | None = None) -> BuildPlan:
     """Check ``out_dir`` is a writable folder and find the up-to-date packs, without a model.
@@ -225,15 +191,20 @@ def plan_build(contexts: Iterable[Context], out_dir: str | os.PathLike, settings
     Args:
         contexts: from ``discover_contexts`` (names distinct).
         out_dir: the output folder; created if missing.
-        settings: from ``build_settings``.
+        settings: from ``BuildSettings.make``.
         overwrite: find nothing up to date (rebuild everything).
         split: the run will split contexts that are too long (so recorded "too long" failures are retried).
         storage_options: fsspec options when ``out_dir`` is a URL (``s3://bucket/packs``): its packs' headers are
             then read by range (their checksum and declared size against the object's), not verified whole.
 
     Raises:
-        InputError: ``out_dir`` cannot be created, is not a folder, or cannot be written.
+        InputError: ``settings`` is not a ``BuildSettings``; ``out_dir`` cannot be created, is not a folder, or
+            cannot be written.
     """
+    if not isinstance(settings, BuildSettings):
+        raise InputError(f"plan_build takes the settings as a BuildSettings (BuildSettings.make(...)), got "
+                         f"{type(settings).__name__}")
+    wanted = settings.to_json()
     out = storage.as_path(out_dir)
     so = storage_options
     _check_writable(out, so)
@@ -244,12 +215,12 @@ def plan_build(contexts: Iterable[Context], out_dir: str | os.PathLike, settings
         item = _Item(ctx, storage.join(out, ctx.pack))
         if ctx.error is None and trusted and not overwrite:
             sha = _sha(ctx.text)
-            item.header = _recorded(out, records.get(ctx.pack), sha, settings, model_id, so=so)
+            item.header = _recorded(out, records.get(ctx.pack), sha, wanted, model_id, so=so)
             if item.header is None:
-                item.parts = _recorded_parts(out, ctx, records, sha, settings, model_id, so)
+                item.parts = _recorded_parts(out, ctx, records, sha, wanted, model_id, so)
             rec = records.get(ctx.pack)
             if not split and not item.parts and isinstance(rec, dict) and rec.get("status") == "failed" and rec.get(
-                    "kind") == "too_long" and rec.get("source_sha256") == sha and rec.get("settings") == settings \
+                    "kind") == "too_long" and rec.get("source_sha256") == sha and rec.get("settings") == wanted \
                     and rec.get("model") == model_id and isinstance(rec.get("error"), str):
                 item.known_failure = rec["error"]
                 item.known_tokens = rec["tokens"] if type(rec.get("tokens")) is int else 0
@@ -360,9 +331,9 @@ def _stored_as(kv_dtype: Any, asked: str) -> Any:
 def _matching_header(path: Path | str, sha: str | None, settings: dict, so: dict | None = None
                      ) -> PackHeader | None:
     """The verified header of ``path`` if it holds a pack of the text with SHA-256 ``sha`` (any, if ``None``) built
-    with ``settings`` (model not compared), else ``None`` (missing, damaged or foreign files included). A local
-    pack is verified whole; a URL only by its header (range reads), so resuming against a remote store reads no
-    pack data."""
+    with ``settings`` (``BuildSettings.to_json``; model not compared), else ``None`` (missing, damaged or foreign
+    files included). A local pack is verified whole; a URL only by its header (range reads), so resuming against a
+    remote store reads no pack data."""
     try:
         if not storage.is_file(path, so):
             return None
@@ -372,8 +343,7 @@ def _matching_header(path: Path | str, sha: str | None, settings: dict, so: dict
     source = header.metadata.get("source")
     if not isinstance(source, dict) or (sha is not None and source.get("sha256") != sha):
         return None
-    want = {k: settings.get(k, "auto") for k in ("method", "method_params", "ratio", "quant", "zstd_level", "checksum",
-                                                  "kv_dtype")}
+    want = {k: settings[k] for k in ("method", "method_params", "ratio", "quant", "zstd_level", "checksum", "kv_dtype")}
     found = _header_settings(header)
     found["kv_dtype"] = _stored_as(found["kv_dtype"], want["kv_dtype"])
     return header if found == want else None
@@ -415,10 +385,7 @@ def run_build(plan: BuildPlan, model=None, tokenizer=None, *, split: bool = Fals
     if plan.needs_model:
         if model is None or tokenizer is None:
             raise InputError("some contexts need building, so run_build needs the model and tokenizer")
-        q = plan.settings["quant"]
-        if q[0] != C.QUANT_NONE:
-            spec = model_spec(model)
-            check_quant_args(q[0], q[1], spec.head_dim, spec.head_dim, allowed_group_sizes=S.GROUP_SIZES)
+        plan.settings.check_head_dim(model_spec(model).head_dim)
         expected = _comparable(model_fingerprint(model, tokenizer))
         limit = max_context_tokens(model)
         layout = chat_layout(tokenizer)
@@ -461,7 +428,7 @@ class _Run:
             "pack": result.name + C.FILE_SUFFIX, "source": result.source, "id": result.id, "line": result.line,
             "part": result.part, "parts": result.parts, "status": result.status, "error": result.error,
             "tokens": result.tokens, "entries_kept": result.entries_kept, "bytes": result.bytes_written,
-            "source_sha256": sha, "settings": self.plan.settings, "model": self.model_id,
+            "source_sha256": sha, "settings": self.plan.settings.to_json(), "model": self.model_id,
             "weights_sha256": weights, "kind": kind, "time": time.time()})
         return result
 
@@ -526,27 +493,23 @@ class _Run:
 
     def build_one(self, ctx: Context, sha: str, expected: dict, total: int, t0: float, tokens: int, worth: int
                   ) -> BuildResult:
-        path, so = storage.join(self.plan.out, ctx.pack), self.plan.storage_options
+        path, so, s = storage.join(self.plan.out, ctx.pack), self.plan.storage_options, self.plan.settings
         if not self.plan.overwrite:
-            header = _matching_header(path, _sha(ctx.text), self.plan.settings, so)
+            header = _matching_header(path, _sha(ctx.text), s.to_json(), so)
             if header is not None and _comparable(header.metadata.get("fingerprint")) == expected:
                 _Progress(self.bar, 0, 1, worth=worth).finish()
                 self.skipped += worth if self.bar is None else 0  # no bar until something is built
                 return self.result(ctx, path, "up_to_date", t0, sha, header=header)
-        tracker = _Progress(self.open_bar(total, ctx.name), tokens, stages=1 if self.plan.settings["ratio"] >= 1.0
-                            else 2, worth=worth)
+        tracker = _Progress(self.open_bar(total, ctx.name), tokens, stages=1 if s.ratio >= 1.0 else 2, worth=worth)
         existed = storage.is_file(path, so)
-        s = self.plan.settings
         try:
-            pack = compress(self.model, self.tokenizer, ctx.text, method=s["method"], ratio=s["ratio"],
-                            chunk_size=s["chunk_size"], source_name=_short(ctx.source_name), progress=tracker,
-                            quant=s["quant"][0], group_size=s["quant"][1] or S.DEFAULT_GROUP_SIZE,
-                            kv_dtype=s.get("kv_dtype", "auto"), **s["options"])
+            pack = compress(self.model, self.tokenizer, ctx.text, source_name=_short(ctx.source_name),
+                            progress=tracker, **s.compress_kwargs())
             if storage.is_url(path):
                 storage.makedirs(storage.parent_of(path), so)
             else:
                 path.parent.mkdir(parents=True, exist_ok=True)
-            written = save(pack, path, zstd_level=s["zstd_level"], checksum=s["checksum"], storage_options=so)
+            written = save(pack, path, zstd_level=s.zstd_level, checksum=s.checksum, storage_options=so)
         except (KvpackError, OSError, torch.OutOfMemoryError) as exc:
             tracker.finish()
             return self.result(ctx, path, "failed", t0, sha, tokens=tokens, error=_reason(exc, path))
@@ -571,31 +534,35 @@ def _reason(exc: BaseException, path: Path) -> str:
     return str(exc)
 
 
-def build(contexts: Iterable[Context], model, tokenizer, *, out_dir: str | os.PathLike, method: str = "kvzip",
-          ratio: float = DEFAULT_RATIO, chunk_size: int = DEFAULT_CHUNK_SIZE, overwrite: bool = False,
-          progress_factory: Callable[..., Any] | None = None, quant: str = C.QUANT_NONE,
-          group_size: int = S.DEFAULT_GROUP_SIZE, zstd_level: int = S.DEFAULT_ZSTD_LEVEL,
-          checksum: str = S.DEFAULT_CHECKSUM, kv_dtype: str = "auto", split: bool = False, fail_fast: bool = False,
-          model_id: dict | None = None, **options) -> list[BuildResult]:
-    """``build_settings`` + ``plan_build`` + ``run_build``: compress every context into ``<out_dir>/<name>.kvpack``.
+def build(contexts: Iterable[Context], model, tokenizer, *, out_dir: str | os.PathLike,
+          settings: BuildSettings | None = None, overwrite: bool = False,
+          progress_factory: Callable[..., Any] | None = None, split: bool = False, fail_fast: bool = False,
+          model_id: dict | None = None, **setting_args) -> list[BuildResult]:
+    """``BuildSettings.make`` + ``plan_build`` + ``run_build``: compress every context into
+    ``<out_dir>/<name>.kvpack``.
 
     Args:
         contexts: from ``discover_contexts``.
         model, tokenizer: from ``kvpack.load_model``.
         out_dir: output folder, created if missing.
-        method, ratio, chunk_size, quant, group_size, zstd_level, checksum, kv_dtype, **options: as
-            ``build_settings``.
+        settings: the build's settings; or give ``**setting_args`` instead.
+        **setting_args: ``BuildSettings.make``'s arguments (``method``, ``ratio``, ``chunk_size``, ``quant``,
+            ``group_size``, ``zstd_level``, ``checksum``, ``kv_dtype`` and the method's options), its defaults for
+            those not given; none with ``settings``.
         overwrite, model_id: as ``plan_build``. split, fail_fast, progress_factory: as ``run_build``.
 
     Returns:
         One ``BuildResult`` per context (per part of a split one), in order; failed ones have ``error`` set.
 
     Raises:
-        InputError: bad settings or ``out_dir`` (before anything is written).
+        InputError: bad settings (as ``BuildSettings.make``; or both ``settings`` and ``setting_args``) or
+            ``out_dir`` (before anything is written).
         UnsupportedModelError: the model is not supported.
     """
-    settings = build_settings(method=method, ratio=ratio, chunk_size=chunk_size, quant=quant, group_size=group_size,
-                              zstd_level=zstd_level, checksum=checksum, kv_dtype=kv_dtype, **options)
+    if settings is not None and setting_args:
+        raise InputError(f"give build either settings or {', '.join(setting_args)}, not both")
+    if settings is None:
+        settings = BuildSettings.make(**setting_args)
     plan = plan_build(contexts, out_dir, settings, model_id=model_id, overwrite=overwrite, split=split)
     return list(run_build(plan, model, tokenizer, split=split, fail_fast=fail_fast,
                           progress_factory=progress_factory))

@@ -220,14 +220,14 @@ def build(inputs, model_name, method, ratio, out_dir, device, dtype, chunk_size,
     UTF-8, too long) is reported and the others are built; the exit status is then 1 (130 when interrupted).
     Each method's own options are listed under its name below; giving one to another method is an error.
     """
-    from .build import build_settings, default_out_dir, discover_contexts, plan_build, run_build
+    from .build import BuildSettings, default_out_dir, discover_contexts, plan_build, run_build
     from .build import summary as build_summary
     from .model import model_identity
 
     options = _method_params(method, method_options)
-    settings = build_settings(method=method, ratio=ratio, chunk_size=chunk_size, quant=quant,
-                              group_size=int(group_size), zstd_level=zstd_level, checksum=checksum,
-                              kv_dtype=kv_dtype, **options)
+    settings = BuildSettings.make(method=method, ratio=ratio, chunk_size=chunk_size, quant=quant,
+                                  group_size=int(group_size), zstd_level=zstd_level, checksum=checksum,
+                                  kv_dtype=kv_dtype, **options)
     if not use_ray and (ray_address is not None or workers is not None or gpus_per_worker):
         raise InputError("--ray-address, --workers and --gpus-per-worker need --ray")
     so = storage.parse_storage_options(storage_option)

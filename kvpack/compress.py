@@ -11,6 +11,7 @@ import torch
 from . import __version__
 from . import constants as C
 from . import settings as S
+from .build_settings import check_chunk_size, check_quant, check_ratio
 from .errors import InputError
 from .fingerprint import model_fingerprint
 from .generation import check_text
@@ -21,7 +22,7 @@ from .model import model_spec, resolve_kv_dtype
 from .pack import Pack
 from .prefill import prefill
 from .stats import AttentionRecorder
-from .quant import check_quant_args, quantize_pack
+from .quant import quantize_pack
 from .settings import DEFAULT_CHUNK_SIZE, DEFAULT_RATIO
 
 __all__ = ["compress", "assemble_pack", "prefill_recorder", "max_context_tokens"]
@@ -87,18 +88,15 @@ def compress(model, tokenizer, text: str, *, method: str = "kvzip", ratio: float
     check_text(text, f"{source_name}: the context")
     if not text.strip():
         raise InputError(f"{source_name}: the context is empty; give a non-empty text")
-    if isinstance(ratio, bool) or not (isinstance(ratio, (int, float)) and 0.0 < ratio <= 1.0):
-        raise InputError(f"ratio must be in (0, 1] (the fraction of KV entries kept), got {ratio!r}")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise InputError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}")
+    check_ratio(ratio)
+    check_chunk_size(chunk_size)
     if stage_seconds is not None and not isinstance(stage_seconds, dict):
         raise InputError(f"stage_seconds must be a dict to fill in (or None), got {type(stage_seconds).__name__}")
     scorer = get_method(method, {"chunk_size": chunk_size}, **options)
     ratio = scorer.kept_ratio(ratio)
     spec = model_spec(model)
     storage_dtype = resolve_kv_dtype(kv_dtype, model)
-    if quant != C.QUANT_NONE:
-        check_quant_args(quant, group_size, spec.head_dim, spec.head_dim, allowed_group_sizes=S.GROUP_SIZES)
+    check_quant(quant, group_size, spec.head_dim)
     device = next(model.parameters()).device
     clock = _StageClock(stage_seconds, device)
     layout = chat_layout(tokenizer)

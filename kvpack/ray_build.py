@@ -1,7 +1,8 @@
 """``kvpack build --ray``: the same build spread over the GPUs (or CPUs) of a node or a Ray cluster, with Ray Data.
 
     plan = plan_build(discover_contexts(["s3://bucket/docs/"], storage_options=opts), "s3://bucket/packs",
-                      build_settings(method="kvzip", ratio=0.3), model_id=model_identity(name), storage_options=opts)
+                      BuildSettings.make(method="kvzip", ratio=0.3), model_id=model_identity(name),
+                      storage_options=opts)
     for result in run_build_with_ray(plan, model_name=name, workers=8, gpus_per_worker=1):
         print(result.name, result.status, result.error)
 

@@ -12,8 +12,8 @@ import torch
 
 from kvpack.build import (
     BuildResult,
+    BuildSettings,
     build,
-    build_settings,
     check_pack,
     default_out_dir,
     discover_contexts,
@@ -325,7 +325,7 @@ def test_a_manifest_path_that_is_a_folder_is_refused_before_the_model_loads(tmp_
     (tmp_path / "out" / "kvpack-manifest.jsonl").mkdir(parents=True)
     (tmp_path / "a.txt").write_text("text", encoding="utf-8")
     with pytest.raises(InputError, match="kvpack-manifest.jsonl is not a file"):
-        plan_build(discover_contexts([tmp_path / "a.txt"]), tmp_path / "out", build_settings())
+        plan_build(discover_contexts([tmp_path / "a.txt"]), tmp_path / "out", BuildSettings.make())
 
 
 def test_build_validates_settings_before_writing(tmp_path):
@@ -432,7 +432,7 @@ def test_plan_trusts_the_manifest_so_an_up_to_date_run_needs_no_model(tmp_path):
     docs = _docs(tmp_path / "docs")
     out = tmp_path / "packs"
     ident = {"name": "tiny", "dtype": "float32", "local": True, "files_sha256": "0" * 64}
-    settings = build_settings(ratio=0.3, chunk_size=64)
+    settings = BuildSettings.make(ratio=0.3, chunk_size=64)
     plan = plan_build(discover_contexts([docs]), out, settings, model_id=ident)
     assert plan.needs_model
     run = run_build(plan, model, tok)
@@ -450,7 +450,7 @@ def test_plan_trusts_the_manifest_so_an_up_to_date_run_needs_no_model(tmp_path):
     # another model identity, other settings, a changed text or a damaged pack: not trusted without the model
     assert plan_build(discover_contexts([docs]), out, settings, model_id={**ident, "files_sha256": "1" * 64}
                       ).up_to_date == 0
-    assert plan_build(discover_contexts([docs]), out, build_settings(ratio=0.5, chunk_size=64),
+    assert plan_build(discover_contexts([docs]), out, BuildSettings.make(ratio=0.5, chunk_size=64),
                       model_id=ident).up_to_date == 0
     (docs / "alpha.txt").write_text(DOC_A + "!", encoding="utf-8")
     data = bytearray((out / "sub" / "beta.kvpack").read_bytes())
@@ -498,7 +498,7 @@ def test_split_cuts_long_contexts_at_paragraphs_into_valid_parts(tmp_path):
         assert piece.startswith("Paragraph ")  # cut at paragraph boundaries
         pieces.append(piece)
     assert "".join(pieces) == text
-    settings = build_settings(ratio=0.3, chunk_size=64)
+    settings = BuildSettings.make(ratio=0.3, chunk_size=64)
     plan = plan_build(ctxs, out, settings, model_id=ident)
     assert not plan.needs_model and plan.up_to_date == len(res)
     assert [r.name for r in run_build(plan)] == [r.name for r in res]

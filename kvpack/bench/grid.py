@@ -23,6 +23,7 @@ import torch
 
 from .. import constants as C
 from .. import settings as S
+from ..build_settings import check_ratio
 from ..cache import KvpackCache
 from ..errors import InputError
 from ..fileformat import save
@@ -93,8 +94,7 @@ def expand_grid(methods: list[str], ratios: list[float], quants: list[str]) -> l
         if q not in S.QUANT_CHOICES:
             raise InputError(f"unknown quantization {q!r}; choose from: {', '.join(S.QUANT_CHOICES)}")
     for r in ratios:
-        if not 0.0 < r <= 1.0:
-            raise InputError(f"ratio {r!r} is outside (0, 1] (the fraction of KV entries kept)")
+        check_ratio(r)
     out = [Variant("none", 1.0, q) for q in quants]
     for m in methods:
         if m == "none":
@@ -146,8 +146,7 @@ def build_variants(model, tokenizer, text: str, method: str, ratios: list[float]
     if not isinstance(text, str) or not text.strip():
         raise InputError(f"{source_name}: the context is empty")
     for r in ratios:
-        if not (isinstance(r, (int, float)) and 0.0 < r <= 1.0):
-            raise InputError(f"ratio must be in (0, 1] (the fraction of KV entries kept), got {r!r}")
+        check_ratio(r)
     name, spec_options = parse_method_spec(method, validate=False)  # get_method checks them with ``options``
     scorer = get_method(name, {"chunk_size": chunk_size}, **spec_options, **options)
     kept = [scorer.kept_ratio(r) for r in ratios]
