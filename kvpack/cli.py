@@ -572,6 +572,11 @@ def _csv(kind, name):
               help="Needle contexts per length and depth (depths 0, 10, ..., 100%) [default: 1].")
 @click.option("--tasks", callback=_csv(str, "task names"), metavar="T1,T2",
               help="Which of needle,multiquery,continuation,speed,memory to run [default: all].")
+@click.option("--context-length", type=click.IntRange(min=16), default=None, metavar="N",
+              help="Length in tokens of the multi-query contexts and continuation passages [default: 2048; quick: "
+                   "1024].")
+@click.option("--contexts", type=click.IntRange(min=0), default=None, metavar="K",
+              help="Multi-query contexts, and continuation passages, K of each [default: 3; quick: 1].")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-out", show_default=True,
               help="Folder for results.json, results.md and the PNG plots.")
 @click.option("--quick", is_flag=True, help="A smoke run (about 30 s on 2 idle CPU cores, measured: BENCHMARKS.md); options above "
@@ -587,8 +592,8 @@ def _csv(kind, name):
 @_threads_option
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots (no matplotlib needed).")
 @click.pass_context
-def bench(ctx, methods, ratios, quants, lengths, trials, tasks, out_dir, quick, model_name, peer, peer_venv, seed,
-          device, threads, no_plots):
+def bench(ctx, methods, ratios, quants, lengths, trials, tasks, context_length, contexts, out_dir, quick, model_name,
+          peer, peer_venv, seed, device, threads, no_plots):
     """Benchmark methods x ratios x quantization on held-out text: needle retrieval, multi-query reuse,
     continuation NLL, speed, memory and file size; write JSON, Markdown and PNG plots to --out.
 
@@ -598,6 +603,10 @@ def bench(ctx, methods, ratios, quants, lengths, trials, tasks, out_dir, quick, 
 
     given = {"methods": methods, "ratios": ratios, "quants": quants, "lengths": lengths, "trials": trials,
              "tasks": tasks}
+    if context_length is not None:
+        given.update(mq_length=context_length, cont_length=context_length)
+    if contexts is not None:
+        given.update(mq_contexts=contexts, cont_docs=contexts)
     options = {k: v for k, v in given.items() if v is not None}
     options.update(model=model_name, peer=peer, peer_venv=peer_venv, seed=seed, device=device, threads=threads,
                    plots=not no_plots)

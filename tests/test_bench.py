@@ -155,6 +155,27 @@ def test_bench_cli_rejects_bad_options(tmp_path):
     assert res.exit_code == 2
 
 
+def test_bench_cli_context_length_and_contexts_reach_both_tasks(tmp_path, monkeypatch):
+    """``--context-length`` and ``--contexts`` set the multi-query contexts and the continuation passages alike."""
+    import kvpack.bench
+
+    seen = {}
+
+    def fake_run_bench(cfg, out_dir, **kwargs):
+        seen["cfg"] = cfg
+        return {}
+
+    monkeypatch.setattr(kvpack.bench, "run_bench", fake_run_bench)
+    res = CliRunner().invoke(cli, ["bench", "--quick", "--context-length", "8000", "--contexts", "2", "--out",
+                                   str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    cfg = seen["cfg"]
+    assert (cfg.mq_length, cfg.cont_length, cfg.mq_contexts, cfg.cont_docs) == (8000, 8000, 2, 2)
+    res = CliRunner().invoke(cli, ["bench", "--quick", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert (seen["cfg"].mq_length, seen["cfg"].cont_docs) == (1024, 1)  # quick's own
+
+
 def test_method_specs_name_options_and_build_like_compress():
     from kvpack.bench.specs import parse_method_spec
 

@@ -83,7 +83,8 @@ def test_packed_attention_matches_explicit_softmax_with_biases(path, q_len, tail
 @pytest.mark.parametrize("biased", [True, False])
 def test_dense_layer_attends_in_one_call_exactly(q_len, tail_extra, group, biased):
     """Heads that keep the same entries (a ``none`` pack) take one flash call over ``[1, kv_heads, kept, d]`` views:
-    the same softmax as the explicit one, and bit for bit the per-head calls' output."""
+    the same softmax as the explicit one, and the per-head calls' output to float32 rounding (not bit for bit: the
+    CPU flash kernel's blocking, and so its summation order, can differ between the two shapes and thread counts)."""
     layer = _layer([9, 9, 9], q_len, tail_extra, biased)
     keys, values, beta = layer.dense_views()
     assert keys.shape == (1, 3, 9, D) and keys.data_ptr() == layer.kept_keys.data_ptr()  # views, no copy
@@ -92,7 +93,7 @@ def test_dense_layer_attends_in_one_call_exactly(q_len, tail_extra, group, biase
     got = packed_attention(query, layer, 0.3)
     torch.testing.assert_close(got.double(), _explicit(query, layer, 0.3), atol=2e-5, rtol=2e-5)
     layer._dense_views = False  # force one call per KV head
-    assert torch.equal(packed_attention(query, layer, 0.3), got)
+    torch.testing.assert_close(packed_attention(query, layer, 0.3), got, atol=1e-6, rtol=1e-6)
 
 
 def test_uneven_layer_has_no_dense_views():

@@ -90,17 +90,23 @@ def ensure_kvpress_venv(venv: str | os.PathLike = DEFAULT_VENV, *, log=print, ti
 
 
 def model_folder(model: str | None) -> Path:
-    """The local model folder kvpress should load: the embedded reference model for ``None``.
+    """The local Hugging Face model folder kvpress should load: the embedded reference model for ``None``; for a
+    GGUF file, a folder holding one, or a short name (``smollm2-135m``), the folder kvpack converted it into
+    (``kvpack.gguf.converted_folder``: the same float32 weights kvpack's own rows run on).
 
-    Raises ``PeerError`` for a hub id (the peer needs the same weights on disk).
+    Raises ``PeerError`` for a hub id (the peer needs the same weights on disk); ``ModelLoadError`` when the model
+    cannot be found or converted (as ``kvpack.load_model`` would).
     """
-    if model is None:
-        from ..model import REFERENCE_MODEL_DIR
+    from .. import gguf
+    from ..model import model_path
 
-        return Path(REFERENCE_MODEL_DIR).absolute()
-    if not Path(model).is_dir():
-        raise PeerError(f"--peer kvpress needs --model to be a local model folder, got {model!r}")
-    return Path(model).absolute()
+    path, is_local = model_path(model)
+    if not is_local:
+        raise PeerError(f"--peer kvpress needs --model to be a local model folder or GGUF file, got {model!r}")
+    path = Path(path)
+    if gguf.is_gguf(path):
+        path = gguf.converted_folder(path)
+    return path.absolute()
 
 
 def export_job(contexts: list[QAContext], tokenizer, model_dir: str | os.PathLike, presses: list[str],
