@@ -340,7 +340,7 @@ def info(files, as_json, storage_option):
 
     With several files, a bad one is reported (error: ...) and the others are described; the exit status is then 1.
     """
-    from .fileformat import read_index
+    from .fileformat import read_index_arrays
     from .listing import describe_pack, info_text, pack_files
 
     so = storage.parse_storage_options(storage_option)
@@ -352,7 +352,7 @@ def info(files, as_json, storage_option):
     for i, file in enumerate(files):
         try:
             if as_json:
-                header, _ = read_index(file, storage_options=so)  # the header and index tensors only
+                header, _ = read_index_arrays(file, storage_options=so)  # the header and index tensors only
                 click.echo(json_text({**describe_pack(file, header, storage_options=so), "error": None}))
             else:
                 click.echo(("\n" if i else "") + f"== {file}")

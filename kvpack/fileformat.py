@@ -43,8 +43,8 @@ if TYPE_CHECKING:  # reading a header needs no tensor: torch is imported where t
     from .pack import Pack
 
 __all__ = ["TensorCodec", "TensorInfo", "PackHeader", "pack_to_bytes", "check_storage_args", "save", "load_pack",
-           "load_pack_and_header", "load_pack_placed", "read_header", "read_index", "PackIndex", "LayerIndex",
-           "QuantIndex", "fetched", "verify"]
+           "load_pack_and_header", "load_pack_placed", "read_header", "read_index", "read_index_arrays", "PackIndex",
+           "LayerIndex", "QuantIndex", "fetched", "verify"]
 
 #: Tensors whose values the reader checks (so ``verify`` keeps them); the others are only checksummed and decoded.
 _CHECKED = (C.TOKEN_IDS, C.HEAD_LENGTHS, C.POSITIONS, C.KEY_BITS, C.QUANT_GRID, C.ATTN_BIAS)
@@ -359,17 +359,19 @@ def load_pack_and_header(source: SourceLike, *, storage_options: dict | None = N
 
 @dataclass(frozen=True)
 class QuantIndex:
-    """The key code widths of one quantized layer (``LayerIndex.quant``): ``key_bits`` uint8 ``[kv_heads, D]``."""
+    """The key code widths of one quantized layer (``LayerIndex.quant``): ``key_bits`` uint8 ``[kv_heads, D]`` (a
+    torch tensor from ``read_index``, a numpy array from ``read_index_arrays``)."""
 
-    key_bits: torch.Tensor
+    key_bits: torch.Tensor | np.ndarray
 
 
 @dataclass(frozen=True)
 class LayerIndex:
     """One layer as the index tensors describe it (the attributes ``kvpack info`` reads of a ``LayerEntries``):
-    ``head_lengths`` int64 ``[kv_heads]``; ``quant`` its key code widths, or ``None`` when not quantized."""
+    ``head_lengths`` int64 ``[kv_heads]`` (a torch tensor from ``read_index``, a numpy array from
+    ``read_index_arrays``); ``quant`` its key code widths, or ``None`` when not quantized."""
 
-    head_lengths: torch.Tensor
+    head_lengths: torch.Tensor | np.ndarray
     quant: QuantIndex | None = None
 
     @property
@@ -380,8 +382,8 @@ class LayerIndex:
 
 @dataclass(frozen=True)
 class PackIndex:
-    """What the header and the index tensors say about a pack, without its KV (``read_index``): ``layers``
-    (``LayerIndex`` each), ``original_tokens`` and ``sink_tokens``."""
+    """What the header and the index tensors say about a pack, without its KV (``read_index``,
+    ``read_index_arrays``): ``layers`` (``LayerIndex`` each), ``original_tokens`` and ``sink_tokens``."""
 
     layers: list[LayerIndex]
     original_tokens: int
@@ -392,33 +394,54 @@ class PackIndex:
         return sum(layer.num_entries for layer in self.layers)
 
 
-def read_index(source: SourceLike, *, storage_options: dict | None = None) -> tuple[PackHeader, PackIndex]:
-    """The validated header (``read_header``) and the index tensors ``kvpack info`` shows: ``head_lengths`` and,
-    quantized, ``key_bits`` and ``quant_grid``, each checksummed and checked (head lengths non-negative and
-    summing to the entries; code widths and grids as ``format/SPEC.md`` §8 step 14). The keys, values, codes,
-    positions and token ids are not read (``verify`` checks them): memory is the header and these small tensors.
+def read_index_arrays(source: SourceLike, *, storage_options: dict | None = None) -> tuple[PackHeader, PackIndex]:
+    """The validated header (``read_header``) and the index tensors ``kvpack info`` shows, as numpy arrays and
+    without importing torch: ``head_lengths`` and, quantized, ``key_bits`` and ``quant_grid``, each checksummed and
+    checked (head lengths non-negative and summing to the entries; code widths and grids as ``format/SPEC.md`` §8
+    step 14). The keys, values, codes, positions and token ids are not read (``verify`` checks them): memory is
+    the header and these small tensors.
+
+    Returns ``(header, index)``: each ``LayerIndex.head_lengths`` int64 ``[kv_heads]`` and ``quant.key_bits`` uint8
+    ``[kv_heads, head_dim]`` (numpy, views of one array each).
 
     Raises: the errors of ``read_header``; ``ChecksumMismatchError`` or ``CorruptFileError`` for those tensors.
     """
-    import torch
-
     with _opened(source, storage_options) as opened, Source(opened) as src:
         box = parse_header(src)
         header = _header(box, src.name)
-        names = [n for n in box.tensors if n in (C.HEAD_LENGTHS, C.KEY_BITS, C.QUANT_GRID)]
-        t = {name: _placed(src, box, name, None, torch.device("cpu")) for name in names}
-    lengths = t[C.HEAD_LENGTHS].to(torch.int64)
+        a = {name: _array(src, box, name) for name in box.tensors if name in (C.HEAD_LENGTHS, C.KEY_BITS,
+                                                                               C.QUANT_GRID)}
+    lengths = a[C.HEAD_LENGTHS].astype(np.int64)
     problem = None
     if int(lengths.min()) < 0 or int(lengths.sum()) != header.entries:
         problem = f"{C.HEAD_LENGTHS!r} must be non-negative and sum to the {header.entries} entries of {C.POSITIONS!r}"
     elif header.group_size is not None:
-        problem = compact_values_problem(t[C.KEY_BITS].numpy(), t[C.QUANT_GRID].numpy(), header.quant_type,
-                                         header.head_dims[0])
+        problem = compact_values_problem(a[C.KEY_BITS], a[C.QUANT_GRID], header.quant_type, header.head_dims[0])
     if problem is not None:
         raise CorruptFileError(f"{src.name}: {problem}; {REBUILD}")
-    bits = t.get(C.KEY_BITS)
+    bits = a.get(C.KEY_BITS)
     layers = [LayerIndex(lengths[l], None if bits is None else QuantIndex(bits[l])) for l in range(header.num_layers)]
     return header, PackIndex(layers, header.tokens, header.metadata[C.SINK_TOKENS_KEY])
+
+
+def read_index(source: SourceLike, *, storage_options: dict | None = None) -> tuple[PackHeader, PackIndex]:
+    """``read_index_arrays`` with torch tensors: each ``LayerIndex.head_lengths`` int64 ``[kv_heads]`` and
+    ``quant.key_bits`` uint8 ``[kv_heads, head_dim]`` (CPU tensors sharing the arrays' memory). Reads and raises as
+    ``read_index_arrays``."""
+    import torch
+
+    header, index = read_index_arrays(source, storage_options=storage_options)
+    layers = [LayerIndex(torch.from_numpy(l.head_lengths),
+                         None if l.quant is None else QuantIndex(torch.from_numpy(l.quant.key_bits)))
+              for l in index.layers]
+    return header, PackIndex(layers, index.original_tokens, index.sink_tokens)
+
+
+def _array(src: Source, box: Container, name: str) -> np.ndarray:
+    """Tensor ``name`` (an index tensor: I32, U8 or F32) as a fresh numpy array of its shape and stored dtype,
+    after its checksum matched and its frame decoded (``container.tensor_bytes``; raises as that does)."""
+    info = box.tensors[name]
+    return np.array(tensor_bytes(src, box, name).view(_NP[info.dtype]).reshape(info.shape))
 
 
 def load_pack_placed(source: SourceLike, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",

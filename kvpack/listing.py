@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
+
 from . import constants as C
 from .errors import InputError, KvpackError
 from . import storage
-from .fileformat import PackHeader, load_pack_and_header, read_header, read_index, verify
+from .fileformat import PackHeader, load_pack_and_header, read_header, read_index_arrays, verify
 from .manifest import read_manifest
 from .methods.params import PARAMS
 from .terminal import pairs, printable, table
@@ -148,10 +150,10 @@ def verify_report(path: str | os.PathLike, *, storage_options: dict | None = Non
 
 def info_text(file: str | os.PathLike, *, storage_options: dict | None = None) -> str:
     """The text ``kvpack info`` prints for ``file``: header facts, entries kept per layer, quantization errors,
-    bytes by section. Reads the header and the index tensors only (``kvpack.fileformat.read_index``: memory
-    independent of the KV's size; ``kvpack verify`` checks the rest). Raises as ``read_index``."""
+    bytes by section. Reads the header and the index tensors only (``kvpack.fileformat.read_index_arrays``: memory
+    independent of the KV's size, no torch; ``kvpack verify`` checks the rest). Raises as ``read_index_arrays``."""
     out = []
-    header, pack = read_index(file, storage_options=storage_options)
+    header, pack = read_index_arrays(file, storage_options=storage_options)
     meta = header.metadata
     fp = meta.get("fingerprint") or {}
     stats = meta.get("stats") or {}
@@ -196,7 +198,7 @@ def info_text(file: str | os.PathLike, *, storage_options: dict | None = None) -
     out.append("\nentries kept per layer (per KV head: min / mean / max)")
     layer_rows = []
     for l, layer in enumerate(pack.layers):
-        hl = layer.head_lengths.double()
+        hl = layer.head_lengths.astype(np.float64)
         layer_rows.append((str(l), kinds[l] if l < len(kinds) else "?", f"{layer.num_entries:,}",
                            f"{int(hl.min()):,}", f"{float(hl.mean()):,.1f}", f"{int(hl.max()):,}"))
     out.append(table(("layer", "kind", "entries", "min", "mean", "max"), layer_rows, right=(0, 2, 3, 4, 5),
@@ -246,14 +248,13 @@ def _num(x) -> str:
 
 
 def _quantization(header, pack) -> str:
-    """The ``quantization`` row of ``kvpack info``: type, group size, layout (compact: the key code widths)."""
+    """The ``quantization`` row of ``kvpack info``: type, group size, layout (compact: the key code widths, counted
+    over ``pack``'s numpy ``key_bits``, ``read_index_arrays``)."""
     if not header.group_size:
         return "none"
-    import torch
-
     head = f"{header.quant_type}, group size {header.group_size}"
-    widths = torch.cat([l.quant.key_bits.reshape(-1) for l in pack.layers if l.quant is not None]).long()
-    counts = torch.bincount(widths, minlength=C.MAX_KEY_BITS + 1)
+    widths = np.concatenate([l.quant.key_bits.reshape(-1) for l in pack.layers if l.quant is not None])
+    counts = np.bincount(widths.astype(np.int64), minlength=C.MAX_KEY_BITS + 1)
     used = [(b, int(n)) for b, n in enumerate(counts.tolist()) if n]
     widths = "/".join(str(b) for b, _ in used)
     channels = "/".join(str(n) for _, n in used)

@@ -176,11 +176,14 @@ def packs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("command", [["--help"], ["build", "--help"], ["ls", "{dir}"], ["verify", "{dir}/doc.kvpack"],
-                                     ["ls", "{dir}", "--json"], ["verify", "{dir}/doc.kvpack", "--json"]])
+                                     ["ls", "{dir}", "--json"], ["verify", "{dir}/doc.kvpack", "--json"],
+                                     ["info", "{dir}/doc.kvpack"], ["info", "{dir}/doc.kvpack", "--json"],
+                                     ["info", "{dir}"]])
 def test_header_commands_start_without_torch(packs, baseline, command):
-    """``kvpack --help``, ``ls`` and ``verify`` (without ``--model``) read only headers and checksums: they must not
-    import torch or transformers (about 3 s of start-up), and finish within ``baseline``'s budget (best of three
-    runs; on an idle 2-core machine they take 0.2-0.4 s, torch's import alone 1.1 s)."""
+    """``kvpack --help``, ``ls``, ``verify`` (without ``--model``) and ``info`` read only headers, checksums and the
+    small index tensors (numpy): they must not import torch or transformers (about 3 s of start-up), and finish
+    within ``baseline``'s budget (best of three runs; on an idle 2-core machine they take 0.2-0.4 s, torch's import
+    alone 1.1 s)."""
     args = [a.replace("{dir}", str(packs)) for a in command]
     env, budget = baseline
     probe = ("import runpy, sys\nsys.argv = ['kvpack', *sys.argv[1:]]\ntry:\n    runpy.run_module('kvpack', "

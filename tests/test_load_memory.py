@@ -19,7 +19,7 @@ from kvpack import constants as C
 from kvpack.cli import cli
 from kvpack.codecs import encode, iter_decoded, writer_filter
 from kvpack.errors import ChecksumMismatchError, CorruptFileError, InputError, MemoryBudgetError
-from kvpack.fileformat import load_pack, read_header, read_index
+from kvpack.fileformat import load_pack, read_header, read_index, read_index_arrays
 from kvpack.loading import cache_from_pack, load_bytes, parse_size
 from kvpack.pack import LayerEntries, Pack
 
@@ -131,6 +131,11 @@ def test_info_reads_the_header_and_the_index_tensors_only(tiny, tmp_path):
     assert index.kept_entries() == pack.kept_entries() and index.original_tokens == pack.original_tokens
     for a, b in zip(index.layers, pack.layers, strict=True):
         assert torch.equal(a.head_lengths, b.head_lengths) and torch.equal(a.quant.key_bits, b.quant.key_bits)
+    arrays = read_index_arrays(path)[1]  # the same, as numpy arrays (kvpack info's, without torch)
+    for a, b in zip(arrays.layers, index.layers, strict=True):
+        assert isinstance(a.head_lengths, np.ndarray) and a.head_lengths.dtype == np.int64
+        assert np.array_equal(a.head_lengths, b.head_lengths.numpy()) and np.array_equal(a.quant.key_bits,
+                                                                                         b.quant.key_bits.numpy())
     frame = bytearray(stored(path.read_bytes(), "key_codes"))
     frame[len(frame) // 2] ^= 0xFF  # the codes are damaged (re-signed): verify refuses, info need not read them
     damaged = tmp_path / "codes.kvpack"
