@@ -80,8 +80,8 @@ def main() -> None:
     def build(method):
         seconds: dict[str, float] = {}
         name, options = specs[method]
-        pack = kvpack.compress(model, tok, text, method=name, ratio=args.ratio, chunk_size=args.chunk_size,
-                               stage_seconds=seconds, **options)
+        options = {"chunk_size": args.chunk_size, **options}  # a spec's own chunk_size wins
+        pack = kvpack.compress(model, tok, text, method=name, ratio=args.ratio, stage_seconds=seconds, **options)
         return pack, seconds
 
     attention = causal_attention_alone(model, ids.shape[1])
