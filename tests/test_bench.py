@@ -148,6 +148,16 @@ def test_quick_cli(tmp_path):
     assert all("error" not in r and r["growth_bytes"] > 0 for r in mem)
 
 
+def test_estimate_scales_with_the_model_measured_first():
+    from kvpack.bench.runner import model_scale
+
+    cfg = BenchConfig.quick()
+    base, doubled = estimate_seconds(cfg), estimate_seconds(cfg, 2.0)
+    assert set(base) == set(doubled) and all(doubled[k] == pytest.approx(2 * v) for k, v in base.items())
+    model, tok = kvpack.load_model(None)
+    assert 0.05 <= model_scale(model, tok) < 100  # the reference model is the cost model's own reference
+
+
 def test_bench_cli_rejects_bad_options(tmp_path):
     res = CliRunner().invoke(cli, ["bench", "--quick", "--ratios", "0.5,2", "--out", str(tmp_path)])
     assert res.exit_code == 1 and "ratio" in res.output

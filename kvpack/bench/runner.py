@@ -23,6 +23,7 @@ from .. import __version__
 from .. import settings as S
 from ..tasks import ANSWER_MAX_NEW_TOKENS
 from ..errors import InputError
+from ..compress import compress
 from ..model import load_model
 from .continuation import continuation_docs, continuation_rows, summarize_continuation
 from .grid import Variant, expand_grid
@@ -160,9 +161,28 @@ def _context_s(variants: list[Variant], tokens: int, questions: int) -> float:
     return build + len(variants) * (_OPEN_S + questions * per_answer) + questions * 2 * per_answer
 
 
-def estimate_seconds(cfg: BenchConfig) -> dict[str, float]:
-    """Projected seconds per task for ``cfg`` (a cost model fitted on the reference model, 2 shared CPU cores, one
-    torch thread; a bigger model scales it roughly with its prefill time). Keys: the tasks, ``peer``, ``total``."""
+def estimate_seconds(cfg: BenchConfig, scale: float = 1.0) -> dict[str, float]:
+    """Projected seconds per task for ``cfg``: a cost model fitted on the reference model (2 shared CPU cores, one
+    torch thread), every term multiplied by ``scale`` (how many times slower the model at hand builds on this
+    machine: ``model_scale``). Keys: the tasks, ``peer``, ``total``."""
+    est = _estimate_reference_seconds(cfg)
+    return {k: v * scale for k, v in est.items()}
+
+
+def model_scale(model, tokenizer) -> float:
+    """How many times slower than the cost model's reference (``_BUILD_1K`` seconds) a cheap build of 1,024
+    tokens runs with ``model`` here: one ``kvpack.compress(..., method="streaming")`` of a 1,024-token haystack
+    (about 0.1 s on the reference model, 3 s for SmolLM2-135M on 2 CPU cores), clamped to [0.05, 10,000]."""
+    from .speed import needle_context_ids
+
+    text, _ = needle_context_ids(tokenizer, 1024, model.device)
+    compress(model, tokenizer, text[:400], method="streaming", ratio=0.5)  # warm-up: first calls pay one-off costs
+    t0 = time.perf_counter()
+    compress(model, tokenizer, text, method="streaming", ratio=0.5)
+    return min(max((time.perf_counter() - t0) / _BUILD_1K, 0.05), 10_000.0)
+
+
+def _estimate_reference_seconds(cfg: BenchConfig) -> dict[str, float]:
     variants = cfg.variants()
     est = {}
     if "needle" in cfg.tasks:
@@ -246,14 +266,16 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path = "bench-out", *, command: s
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     t_start = time.perf_counter()
-    est = estimate_seconds(cfg)
+    model, tok = load_model(cfg.model, device=cfg.device)
+    scale = model_scale(model, tok)
+    est = estimate_seconds(cfg, scale)
     log(f"kvpack bench: {len(cfg.variants())} variants ({', '.join(cfg.methods)} x ratios "
         f"{', '.join(f'{r:g}' for r in cfg.ratios)} x quant {', '.join(cfg.quants)}"
         + (f"; multi-query adds query-aware {', '.join(cfg.query_aware)}" if cfg.query_aware else "")
         + f"); tasks {', '.join(cfg.tasks)}"
         + (f"; peer {cfg.peer}" if cfg.peer else "") + f"; estimated {est['total'] / 60:.1f} min "
-        f"({', '.join(f'{k} {v:.0f} s' for k, v in est.items() if k != 'total')})")
-    model, tok = load_model(cfg.model, device=cfg.device)
+        f"({', '.join(f'{k} {v:.0f} s' for k, v in est.items() if k != 'total')}; cost model x{scale:.1f} "
+        "for this model, from a 1K-token build timed first)")
     peer_python = None
     if cfg.peer == "kvpress":
         from .peer import ensure_kvpress_venv, model_folder
