@@ -327,6 +327,106 @@ def heads(inputs, model_name, out_file, scoring, chunk_size, device, dtype, stor
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# schedule
+
+
+class _SectionedCommand(click.Command):
+    """A command whose help lists its options in the sections of ``SECTIONS`` (title -> option names), the rest
+    under "Options"."""
+
+    SECTIONS: dict[str, tuple[str, ...]] = {}
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        records = {p.name: p.get_help_record(ctx) for p in self.get_params(ctx) if isinstance(p, click.Option)}
+        grouped = {name for names in self.SECTIONS.values() for name in names}
+        with formatter.section("Options"):
+            formatter.write_dl([r for name, r in records.items() if r and name not in grouped])
+        for title, names in self.SECTIONS.items():
+            with formatter.section(title):
+                formatter.write_dl([records[name] for name in names if records.get(name)])
+
+
+class _ScheduleCommand(_SectionedCommand):
+    SECTIONS = {"--solver influence": ("delta", "floor", "continuation_tokens"),
+                "Model": ("model_name", "device", "dtype", "chunk_size")}
+
+
+@cli.command(cls=_ScheduleCommand)
+@click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
+@click.option("--out", "out_file", required=True, type=click.Path(dir_okay=False), metavar="FILE",
+              help="The schedule file to write (safetensors), e.g. schedule.safetensors.")
+@click.option("--solver", type=click.Choice(("influence", "scores")), default="influence", show_default=True,
+              help="influence: each head's measured effect on the continuation loss, allocated greedily (the "
+                   "paper's head_budget_optimization/); scores: each head's mean share of KVzip's capped global "
+                   "top-k (one repeat pass per context, no loss measured).")
+@click.option("--ratio", type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True), default=0.1,
+              show_default=True, help="The keep ratio the schedule is made for (build AM at this --ratio).")
+@click.option("--max-head-ratio", "cap", type=click.FloatRange(0.0, 1.0, min_open=True), default=0.75,
+              show_default=True, help="No head is given more than this share of its own entries (AM's cap; raised "
+                                      "to --ratio when below it).")
+@click.option("--delta", type=click.FloatRange(0.0, 1.0, min_open=True), default=0.5, show_default=True,
+              help="Probe step: each head's keep ratio is moved to ratio x (1 - delta) and ratio x (1 + delta), "
+                   "the others staying at ratio.")
+@click.option("--floor", type=click.FloatRange(0.0, 1.0), default=0.25, show_default=True,
+              help="Every head keeps at least this fraction of the uniform share.")
+@click.option("--continuation-tokens", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Tokens at the end of each context held back and scored as its continuation (the loss).")
+@click.option("--model", "model_name", default=None, metavar="NAME_OR_PATH", help=_MODEL_HELP)
+@_model_options
+@click.option("--chunk-size", type=click.IntRange(min=1), default=S.DEFAULT_CHUNK_SIZE, show_default=True,
+              help="Tokens per prefill and repeat-pass chunk.")
+@_storage_options
+def schedule(inputs, out_file, solver, ratio, cap, delta, floor, continuation_tokens, model_name, device, dtype,
+             chunk_size, storage_option):
+    """Make Attention Matching's per-model head schedule for `kvpack build --method am --budgets schedule
+    --schedule FILE`: each (layer, KV head)'s share of the budget, found once per model from a few contexts.
+
+    INPUT... as for build; a few contexts of a few thousand tokens of the kind of text to be compressed. With
+    --solver influence, for each context: one prefill and KVzip repeat pass, then 2 x heads + 2 passes of the
+    --continuation-tokens over the cache, each head's budget lowered and raised in turn around the uniform split
+    (eviction by KVzip's scores as a proxy for the fit); the budget then goes greedily to the heads whose entries
+    lower the loss most (arXiv 2602.16284, section 4).
+    """
+    from .build import discover_contexts
+
+    so = storage.parse_storage_options(storage_option)
+    contexts = discover_contexts(inputs, storage_options=so)
+    bad = [c for c in contexts if c.error]
+    if bad:
+        raise InputError(f"{bad[0].where}: {bad[0].error}; fix or remove it")
+    model, tokenizer = _load(model_name, device, dtype)
+    texts, names = [c.text for c in contexts], [c.name for c in contexts]
+    t0 = time.perf_counter()
+    if solver == "influence":
+        from .schedule_solver import influence_schedule
+
+        def done(i: int, n: int) -> None:
+            if i == n or i % 50 == 0:
+                click.echo(f"measured {i}/{n} head probes", err=True)
+
+        sched, _ = influence_schedule(model, tokenizer, texts, names=names, ratio=ratio, cap=cap, delta=delta,
+                                      floor=floor, continuation_tokens=continuation_tokens, chunk_size=chunk_size,
+                                      progress=done)
+    else:
+        from .schedule_solver import scores_schedule
+
+        sched = scores_schedule(model, tokenizer, texts, names=names, ratio=ratio, cap=cap, chunk_size=chunk_size)
+    from .schedule import save_schedule
+
+    written = save_schedule(sched, out_file, storage_options=so)
+    heads = sched.fractions.shape[1]
+    rows = [(str(l), *(f"{float(v):.4f}" for v in row)) for l, row in zip(sched.compressed_layers, sched.fractions)]
+    click.echo(_table(("layer", *(f"head {h}" for h in range(heads))), rows, right=tuple(range(heads + 1))))
+    src = sched.source
+    losses = (f"; continuation NLL {src['base_nll']:.4f} uniform, {src['full_nll']:.4f} full cache, "
+              f"{src['evaluations']} passes" if solver == "influence" else "")
+    click.echo(f"{out_file}: schedule ({solver}, ratio {ratio}, max head ratio {cap}) of {len(rows)} layers x {heads} "
+               f"KV heads from {len(contexts)} contexts ({src['tokens']:,} tokens{losses}) in "
+               f"{time.perf_counter() - t0:.1f} s, {written:,} bytes; use it with kvpack build --method am "
+               f"--ratio {ratio} --budgets schedule --schedule {out_file}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # info
 
 
@@ -568,6 +668,8 @@ def _csv(kind, name):
               help="Storage of the kept KV: none,int8,int4 [default: none,int4; quick: none].")
 @click.option("--lengths", callback=_csv(int, "token counts"), metavar="N1,N2",
               help="Needle context lengths in tokens [default: 1024,2048,4096; quick: 1024].")
+@click.option("--depths", callback=_csv(float, "depths"), metavar="D1,D2",
+              help="Needle depths, fractions of the context in [0, 1] [default: 0,0.1,...,1].")
 @click.option("--trials", type=click.IntRange(min=1), default=None,
               help="Needle contexts per length and depth (depths 0, 10, ..., 100%) [default: 1].")
 @click.option("--tasks", callback=_csv(str, "task names"), metavar="T1,T2",
@@ -592,7 +694,7 @@ def _csv(kind, name):
 @_threads_option
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots (no matplotlib needed).")
 @click.pass_context
-def bench(ctx, methods, ratios, quants, lengths, trials, tasks, context_length, contexts, out_dir, quick, model_name,
+def bench(ctx, methods, ratios, quants, lengths, depths, trials, tasks, context_length, contexts, out_dir, quick, model_name,
           peer, peer_venv, seed, device, threads, no_plots):
     """Benchmark methods x ratios x quantization on held-out text: needle retrieval, multi-query reuse,
     continuation NLL, speed, memory and file size; write JSON, Markdown and PNG plots to --out.
@@ -601,8 +703,8 @@ def bench(ctx, methods, ratios, quants, lengths, trials, tasks, context_length, 
     """
     from .bench import BenchConfig, run_bench
 
-    given = {"methods": methods, "ratios": ratios, "quants": quants, "lengths": lengths, "trials": trials,
-             "tasks": tasks}
+    given = {"methods": methods, "ratios": ratios, "quants": quants, "lengths": lengths, "depths": depths,
+             "trials": trials, "tasks": tasks}
     if context_length is not None:
         given.update(mq_length=context_length, cont_length=context_length)
     if contexts is not None:

@@ -176,11 +176,12 @@ def test_bench_cli_context_length_and_contexts_reach_both_tasks(tmp_path, monkey
         return {}
 
     monkeypatch.setattr(kvpack.bench, "run_bench", fake_run_bench)
-    res = CliRunner().invoke(cli, ["bench", "--quick", "--context-length", "8000", "--contexts", "2", "--out",
-                                   str(tmp_path)])
+    res = CliRunner().invoke(cli, ["bench", "--quick", "--context-length", "8000", "--contexts", "2", "--depths",
+                                   "0.25,0.75", "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
     cfg = seen["cfg"]
     assert (cfg.mq_length, cfg.cont_length, cfg.mq_contexts, cfg.cont_docs) == (8000, 8000, 2, 2)
+    assert cfg.depths == [0.25, 0.75]
     res = CliRunner().invoke(cli, ["bench", "--quick", "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
     assert (seen["cfg"].mq_length, seen["cfg"].cont_docs) == (1024, 1)  # quick's own
