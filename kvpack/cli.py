@@ -348,7 +348,7 @@ class _SectionedCommand(click.Command):
 
 class _ScheduleCommand(_SectionedCommand):
     SECTIONS = {"--solver influence": ("delta", "floor", "continuation_tokens"),
-                "Model": ("model_name", "device", "dtype", "chunk_size")}
+                "Model": ("model_name", "device", "dtype", "chunk_size", "threads")}
 
 
 @cli.command(cls=_ScheduleCommand)
@@ -375,9 +375,10 @@ class _ScheduleCommand(_SectionedCommand):
 @_model_options
 @click.option("--chunk-size", type=click.IntRange(min=1), default=S.DEFAULT_CHUNK_SIZE, show_default=True,
               help="Tokens per prefill and repeat-pass chunk.")
+@_threads_option
 @_storage_options
 def schedule(inputs, out_file, solver, ratio, cap, delta, floor, continuation_tokens, model_name, device, dtype,
-             chunk_size, storage_option):
+             chunk_size, threads, storage_option):
     """Make Attention Matching's per-model head schedule for `kvpack build --method am --budgets schedule
     --schedule FILE`: each (layer, KV head)'s share of the budget, found once per model from a few contexts.
 
@@ -394,6 +395,7 @@ def schedule(inputs, out_file, solver, ratio, cap, delta, floor, continuation_to
     bad = [c for c in contexts if c.error]
     if bad:
         raise InputError(f"{bad[0].where}: {bad[0].error}; fix or remove it")
+    _set_threads(threads)
     model, tokenizer = _load(model_name, device, dtype)
     texts, names = [c.text for c in contexts], [c.name for c in contexts]
     t0 = time.perf_counter()
@@ -402,7 +404,7 @@ def schedule(inputs, out_file, solver, ratio, cap, delta, floor, continuation_to
 
         def done(i: int, n: int) -> None:
             if i == n or i % 50 == 0:
-                click.echo(f"measured {i}/{n} head probes", err=True)
+                click.echo(f"ran {i}/{n} continuation passes", err=True)
 
         sched, _ = influence_schedule(model, tokenizer, texts, names=names, ratio=ratio, cap=cap, delta=delta,
                                       floor=floor, continuation_tokens=continuation_tokens, chunk_size=chunk_size,

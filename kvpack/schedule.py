@@ -11,8 +11,9 @@ string metadata ``format`` (``"kvpack-head-schedule"``), ``version`` (``"1"``), 
 checks, every name, dtype, shape, value and field checked); ``check_schedule`` refuses it for another model.
 
 ``schedule_from_scores`` makes one from KVzip entry scores of a few contexts: each head's mean share of the capped
-global top-k (``budgets.capped_top_k``) over the contexts, a context-independent stand-in for the official
-influence-based solver (which needs many evaluation passes per head).
+global top-k (``budgets.capped_top_k``) over the contexts, a cheap stand-in for the official influence-based solver
+(``kvpack.schedule_solver``, which measures each head's effect on a continuation loss). ``kvpack schedule`` makes
+either (``--solver influence|scores``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ SCHEDULE_FORMAT = "kvpack-head-schedule"
 SCHEDULE_VERSION = "1"
 #: Largest schedule file read (a 100-layer x 64-head model is 26 KB).
 MAX_SCHEDULE_FILE_BYTES = 4 * 2**20
-_MAKE_IT = "make one with kvpack.schedule.schedule_from_scores + save_schedule for this model"
+_MAKE_IT = "make one with `kvpack schedule DOC.txt ... --model M --ratio R --out schedule.safetensors`"
 
 
 @dataclass
