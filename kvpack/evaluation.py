@@ -15,7 +15,7 @@ import torch
 from . import tasks
 from .layout import chat_layout
 
-__all__ = ["NeedleTrial", "needle_trials", "full_cache_retrieval"]
+__all__ = ["NeedleTrial", "needle_trials", "full_cache_retrieval", "cache_logprobs", "target_nll"]
 
 
 @dataclass(frozen=True)
@@ -54,3 +54,25 @@ def full_cache_retrieval(model, tokenizer, length: int, trials: int, seed: int =
         answer = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
         results.append((trial.depth, tasks.answer_matches(answer, trial.fact), answer))
     return results
+
+
+@torch.inference_mode()
+def cache_logprobs(model, cache, target_ids) -> torch.Tensor:
+    """``[len(target_ids) - 1, vocab]`` float32 log-probabilities (on CPU) of teacher-forcing ``target_ids[:-1]``
+    (token ids) through a loaded or compacted ``kvpack.cache.KvpackCache``; row ``i`` is the distribution of
+    ``target_ids[i + 1]``. The cache's tail is dropped before and after (``rewind``), so it is left as given.
+    Raises what the model's forward raises (e.g. ``IndexError`` for an id outside the vocabulary)."""
+    cache.rewind()
+    x = torch.tensor([list(target_ids[:-1])], device=cache.layers[0].device)
+    try:
+        logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[0]
+    finally:
+        cache.rewind()
+    return torch.nn.functional.log_softmax(logits.float(), dim=-1).cpu()
+
+
+def target_nll(logprobs: torch.Tensor, target_ids) -> float:
+    """Mean negative log-likelihood (nats/token) of ``target_ids[1:]`` under ``logprobs``
+    (``[len(target_ids) - 1, vocab]``, as ``cache_logprobs`` returns)."""
+    tgt = torch.tensor(list(target_ids[1:]))
+    return float(-logprobs.gather(1, tgt[:, None]).mean())

@@ -44,13 +44,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from .attention import use_kvpack_attention
 from .build_settings import check_chunk_size
 from .cache import KvpackCache, PackedLayer
 from .compress import max_context_tokens
 from .errors import InputError
+from .evaluation import cache_logprobs, target_nll
 from .fingerprint import model_fingerprint
 from .generation import check_text
 from .layout import chat_layout
@@ -342,15 +342,7 @@ def _evicted_layer(full: Prefill, layer: int, order: torch.Tensor, budgets: list
                        torch.cat([r[2] for r in rows]).long(), lengths, full.tokens)
 
 
-@torch.inference_mode()
 def _continuation_nll(model, cache: KvpackCache, target: list[int]) -> float:
     """Mean NLL (nats/token) of ``target[1:]`` teacher-forced after ``cache`` (``target[:-1]`` fed), tail dropped
-    before and after."""
-    cache.rewind()
-    x = torch.tensor([target[:-1]], device=cache.layers[0].device)
-    try:
-        logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[0]
-    finally:
-        cache.rewind()
-    logp = F.log_softmax(logits.float(), dim=-1)
-    return float(-logp.gather(1, torch.tensor(target[1:], device=logp.device)[:, None]).mean())
+    before and after (``kvpack.evaluation.cache_logprobs``)."""
+    return target_nll(cache_logprobs(model, cache, target), target)

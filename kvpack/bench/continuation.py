@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import tasks
+from ..evaluation import cache_logprobs, target_nll
 from ..layout import chat_layout
 from .grid import Variant, build_variants, open_variant
 
@@ -71,7 +72,7 @@ def continuation_docs(tokenizer, length: int, docs: int, target_tokens: int = 25
 
 
 @torch.inference_mode()
-def full_cache_logprobs(model, tokenizer, doc: ContinuationDoc) -> torch.Tensor:
+def fullcache_logprobs(model, tokenizer, doc: ContinuationDoc) -> torch.Tensor:
     """``[target_tokens, vocab]`` float32 log-probabilities of the target positions with the full context.
 
     One plain transformers forward of prefix + context + target[:-1] (the ordinary full cache); row ``i`` is the
@@ -85,24 +86,6 @@ def full_cache_logprobs(model, tokenizer, doc: ContinuationDoc) -> torch.Tensor:
     return F.log_softmax(logits.float(), dim=-1).cpu()
 
 
-@torch.inference_mode()
-def _cache_logprobs(model, cache, target_ids: tuple[int, ...]) -> torch.Tensor:
-    """``[target_tokens, vocab]`` log-probabilities teacher-forcing ``target_ids[:-1]`` through a loaded cache."""
-    cache.rewind()
-    x = torch.tensor([list(target_ids[:-1])], device=cache.context_ids.device)
-    try:
-        logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[0]
-    finally:
-        cache.rewind()
-    return F.log_softmax(logits.float(), dim=-1).cpu()
-
-
-def _nll(logprobs: torch.Tensor, target_ids: tuple[int, ...]) -> float:
-    """Mean negative log-likelihood (nats/token) of ``target_ids[1:]`` under ``logprobs``."""
-    tgt = torch.tensor(target_ids[1:])
-    return float(-logprobs.gather(1, tgt[:, None]).mean())
-
-
 def continuation_rows(model, tokenizer, doc: ContinuationDoc, variants: list[Variant], folder, *, chunk_size: int,
                       group_size: int, zstd_level: int) -> list[dict]:
     """One row per variant (plus the ``full`` reference) for ``doc``.
@@ -113,8 +96,8 @@ def continuation_rows(model, tokenizer, doc: ContinuationDoc, variants: list[Var
     cache's), ``forward_s`` (seconds of the teacher-forced pass), and ``build_s, load_s, file_bytes``.
     Query-aware variants are skipped (there is no question).
     """
-    ref = full_cache_logprobs(model, tokenizer, doc)
-    ref_nll = _nll(ref, doc.target_ids)
+    ref = fullcache_logprobs(model, tokenizer, doc)
+    ref_nll = target_nll(ref, doc.target_ids)
     n_ctx = len(chat_layout(tokenizer).prefix_ids(tokenizer)) + len(tokenizer.encode(doc.text, add_special_tokens=False))
     base = {"task": "continuation", "key": doc.key, "length": doc.length, "context_tokens": n_ctx,
             "target_tokens": len(doc.target_ids) - 1}
@@ -134,9 +117,9 @@ def continuation_rows(model, tokenizer, doc: ContinuationDoc, variants: list[Var
                 continue
             opened = open_variant(b, model, tokenizer, folder, zstd_level=zstd_level)
             t0 = time.perf_counter()
-            lp = _cache_logprobs(model, opened.cache, doc.target_ids)
+            lp = cache_logprobs(model, opened.cache, doc.target_ids)
             sec = time.perf_counter() - t0
-            nll = _nll(lp, doc.target_ids)
+            nll = target_nll(lp, doc.target_ids)
             kl = float((ref.exp() * (ref - lp)).sum(-1).mean())
             agree = float((ref.argmax(-1) == lp.argmax(-1)).float().mean())
             rows.append({**base, "variant": b.variant.to_dict(), "nll": nll, "delta_nll": nll - ref_nll, "kl": kl,
