@@ -195,3 +195,25 @@ def test_header_commands_start_without_torch(packs, baseline, command):
     assert proc.stdout.rstrip().endswith("IMPORTED"), proc.stdout[-300:]
     took = _seconds(["-m", "kvpack", *args], env)
     assert took < budget, f"kvpack {' '.join(command)} took {took:.2f} s, over the budget of {budget:.2f} s"
+
+
+def test_tools_import_names_that_exist():
+    """Every ``from kvpack... import name`` in ``tools/*.py`` names something the package has (a rename in the
+    package once broke ``tools/bench_am.py`` with an ``ImportError`` that no test saw)."""
+    import importlib
+
+    missing = []
+    for path in sorted((ROOT / "tools").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "kvpack":
+                module = importlib.import_module(node.module)
+                missing += [f"{path.name}: {node.module}.{a.name}" for a in node.names
+                            if not hasattr(module, a.name) and not _is_submodule(module, a.name)]
+    assert not missing, missing
+
+
+def _is_submodule(module, name: str) -> bool:
+    """Whether ``name`` is a submodule of the package ``module`` (``from kvpack import tasks``)."""
+    import importlib.util
+
+    return hasattr(module, "__path__") and importlib.util.find_spec(f"{module.__name__}.{name}") is not None

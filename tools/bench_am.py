@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvpack  # noqa: E402
 from kvpack import tasks  # noqa: E402
 from kvpack.bench.specs import parse_method_spec  # noqa: E402
-from kvpack.bench.continuation import _cache_logprobs, _nll, continuation_docs, full_cache_logprobs  # noqa: E402
+from kvpack.bench.continuation import continuation_docs, fullcache_logprobs  # noqa: E402
+from kvpack.evaluation import cache_logprobs, target_nll  # noqa: E402
 from kvpack.bench.multiquery import multiquery_contexts  # noqa: E402
 from kvpack.cache import KvpackCache  # noqa: E402
 from kvpack.compress import assemble_pack  # noqa: E402
@@ -164,16 +165,16 @@ def main() -> None:
     results = {"command": " ".join(sys.argv), "continuation": [], "multiquery": [], "build_seconds": []}
     t0 = time.perf_counter()
     for doc in continuation_docs(tok, args.cont_length, args.cont_docs, seed=args.seed):
-        ref = full_cache_logprobs(model, tok, doc)
-        ref_nll = _nll(ref, doc.target_ids)
+        ref = fullcache_logprobs(model, tok, doc)
+        ref_nll = target_nll(ref, doc.target_ids)
         timings = {}
         packs = packs_for(model, tok, doc.text, ratios, args.queries, budgets, variants, timings, fingerprint)
         results["build_seconds"].append({"doc": doc.key, **timings})
         print(json.dumps({"doc": doc.key, "build_seconds": timings}), flush=True)
         for (name, budget, r), pack in packs.items():
-            lp = _cache_logprobs(model, KvpackCache.from_pack(pack), doc.target_ids)
+            lp = cache_logprobs(model, KvpackCache.from_pack(pack), doc.target_ids)
             row = {"doc": doc.key, "variant": name, "budget": budget, "ratio": r,
-                   "delta_nll": _nll(lp, doc.target_ids) - ref_nll, "fit": pack.metadata["stats"].get("fit"),
+                   "delta_nll": target_nll(lp, doc.target_ids) - ref_nll, "fit": pack.metadata["stats"].get("fit"),
                    "head_entries": [[int(n) for n in e.head_lengths] for e in pack.layers]}
             results["continuation"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k not in ("fit", "head_entries")}), flush=True)
