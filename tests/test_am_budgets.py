@@ -176,12 +176,38 @@ def test_omp_finds_the_keys_that_hold_the_mass_and_keeps_forced_ones():
 def test_am_omp_and_rms_selection_build_and_keep_the_split_counts():
     model, tok = tiny_model("llama")
     base = kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="am", ratio=0.3, chunk_size=40)
-    for sel in ("omp", "rms"):
+    for sel in ("omp", "rms", "kvzip+rms"):
         pack = kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="am", ratio=0.3, chunk_size=40,
                                selection=sel)
         for a, b in zip(pack.layers, base.layers):
             assert torch.equal(a.head_lengths, b.head_lengths)
         kvpack.KvpackCache.from_pack(pack)
+
+
+def test_am_kvzip_plus_rms_keeps_kvzips_top_half_and_fills_by_rms():
+    """``selection="kvzip+rms"``: in every head, the ``ceil(c / 2)`` entries of highest KVzip score are kept, and
+    the other ``c // 2`` are the highest RMS attention among the rest; the counts are those of the split."""
+    scorer = _scorer(selection="kvzip+rms", recent=0)
+    full = scorer._full
+    scores = scorer._scores
+    keep = scorer.select(scores, 0.3, full)
+    kvzip_only = get_method("am", chunk_size=40, recent=0).select(scores, 0.3, full)
+    assert torch.equal(keep.sum(dim=2), kvzip_only.sum(dim=2))
+    rms = torch.stack([scorer._rms_scores(full, i) for i in range(keep.shape[0])])
+    differs = False
+    for layer in range(keep.shape[0]):
+        for h in range(keep.shape[1]):
+            c = int(keep[layer, h].sum())
+            top = scores[layer, h].float().argsort(descending=True, stable=True)[: (c + 1) // 2]
+            assert bool(keep[layer, h, top].all())
+            rest = torch.ones_like(keep[layer, h])
+            rest[top] = False
+            chosen = (keep[layer, h] & rest).nonzero().squeeze(1)
+            others = (~keep[layer, h] & rest).nonzero().squeeze(1)
+            if len(chosen) and len(others):
+                assert float(rms[layer, h, chosen].min()) >= float(rms[layer, h, others].max())
+            differs |= not torch.equal(keep[layer, h], kvzip_only[layer, h])
+    assert differs  # the RMS half changed some head's entries
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -194,7 +220,8 @@ def _scorer(**options):
     prefix = layout.prefix_ids(tok)
     full = prefill(model, prefix + layout.encode(tok, TEXT), len(prefix), layout, spec, 40)
     scorer = get_method("am", chunk_size=40, queries=50_000, **options)
-    scorer.score(model, tok, full)
+    scorer._scores = scorer.score(model, tok, full)
+    scorer._full = full
     return scorer
 
 

@@ -124,7 +124,7 @@ def packs_for(model, tok, text: str, ratios: list[float], queries: int, budgets=
                 else:
                     keep_m = split_budget(m, scores, r, full, budget)
                     if method == "am" and m.selection != "kvzip":
-                        keep_m = m.reselect_within_heads(keep_m, full)
+                        keep_m = m.reselect_within_heads(keep_m, full, scores)
                 out[(name, budget, r)] = assemble_pack(model, tok, text, m, r, full, keep_m, "<bench>", fingerprint)
                 spent[name] += time.perf_counter() - t0
     if timings is not None:

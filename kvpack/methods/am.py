@@ -245,19 +245,32 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         scores = protect_recent(scores.detach().float().cpu().nan_to_num(nan=float("-inf")), self.recent)
         fractions = None if self._schedule is None else self._schedule.fractions
         keep = split(scores, int(round(ratio * scores.numel())), self.budgets, self.max_head_ratio, fractions)
-        return keep if self.selection == "kvzip" else self.reselect_within_heads(keep, prefill)
+        return keep if self.selection == "kvzip" else self.reselect_within_heads(keep, prefill, scores)
 
-    def reselect_within_heads(self, keep: torch.Tensor, prefill: Prefill) -> torch.Tensor:
+    def reselect_within_heads(self, keep: torch.Tensor, prefill: Prefill, scores: torch.Tensor | None = None
+                              ) -> torch.Tensor:
         """``keep`` ``[compressed layers, kv_heads, context]`` bool with each head's count unchanged and its entries
         re-chosen by the highest RMS attention over the reference queries (``selection="rms"``, the paper's
-        ``score_method="rms"``) or by OMP (``"omp"``, ``kvpack.methods.am_omp``), the last ``recent`` tokens
-        first either way. Needs ``score()`` first (the recorded queries): ``RuntimeError`` otherwise."""
+        ``score_method="rms"``), by OMP (``"omp"``, ``kvpack.methods.am_omp``), or half by KVzip's ``scores``
+        (``[compressed layers, kv_heads, context]``, needed for ``"kvzip+rms"``) and half by RMS attention
+        (``"kvzip+rms"``, kvpack's: RMS alone loses planted facts that KVzip's maximum keeps, BENCHMARKS.md), the
+        last ``recent`` tokens first either way. Needs ``score()`` first (the recorded queries): ``RuntimeError``
+        otherwise, or without ``scores`` for ``"kvzip+rms"``."""
         layers, heads, n = keep.shape
         counts = keep.sum(dim=2)
         if self.selection == "omp":
             return torch.stack([self._omp_keep(prefill, i, counts[i]) for i in range(layers)])
         rms = protect_recent(torch.stack([self._rms_scores(prefill, i) for i in range(layers)]), self.recent)
-        return top_k_rows(rms.reshape(layers * heads, n), counts.reshape(-1)).view(keep.shape)
+        flat, counts = rms.reshape(layers * heads, n), counts.reshape(-1)
+        if self.selection == "rms":
+            return top_k_rows(flat, counts).view(keep.shape)
+        if scores is None:
+            raise RuntimeError("am: selection='kvzip+rms' needs KVzip's scores")
+        half = (counts + 1) // 2  # KVzip's half first (the recent floor comes first in it), then RMS's
+        first = top_k_rows(protect_recent(scores.detach().float().cpu(), self.recent).reshape(layers * heads, n),
+                           half)
+        second = top_k_rows(flat.masked_fill(first, float("-inf")), counts - half)
+        return (first | second).view(keep.shape)
 
     def _omp_keep(self, prefill: Prefill, i: int, counts: torch.Tensor) -> torch.Tensor:
         """``[kv_heads, context]`` bool: OMP's ``counts[h]`` entries of each head of compressed layer ``i``."""

@@ -40,7 +40,7 @@ SCORINGS = ("attention", "plus")
 #: What D2O's merge changes (``merge``): keys and values (the paper's), values only, or nothing (eviction alone).
 MERGE_MODES = ("keys+values", "values", "off")
 #: Attention Matching's within-head selections (``selection``) and value modes (``values``).
-SELECTIONS = ("kvzip", "rms", "omp")
+SELECTIONS = ("kvzip", "rms", "kvzip+rms", "omp")
 VALUE_MODES = ("fit", "copy", "merge")
 #: Sources of Attention Matching's reference queries (``reference``): KVzip's repeat pass, sampled
 #: self-continuations, both of those, the model's greedy answers to self-study prompts about the context
@@ -196,7 +196,8 @@ class AttentionMatchingParams(KVzipParams):
     recent: int = option(16, "last context tokens every head keeps (counted in its budget; not in the paper)",
                          low=0)
     selection: str = option("kvzip", "keys kept within a head: KVzip's score, RMS attention over the reference "
-                                     "queries, or OMP (greedy mass matching; slower)", flag="--select",
+                                     "queries, half of each (kvzip+rms), or OMP (greedy mass matching; slower)",
+                            flag="--select",
                             choices=SELECTIONS)
     values: str = option("fit", "kept values fitted by least squares, copied, or D2O-merged", choices=VALUE_MODES)
     queries: int = option(4096, "reference queries per KV head", low=16, high=MAX_QUERIES)
