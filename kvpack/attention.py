@@ -50,6 +50,8 @@ SCORE_BLOCK_ELEMENTS = 2**20
 _registered = False
 #: True while ``masks_unused`` is active: the ``"kvpack"`` mask function then builds no mask.
 _MASKS_UNUSED = contextvars.ContextVar("kvpack_masks_unused", default=False)
+#: ``queries_to``'s sink, or ``None``.
+_QUERY_SINK: contextvars.ContextVar = contextvars.ContextVar("kvpack_query_sink", default=None)
 
 
 def masked_attention(query, key, value, visible, scaling, scores=None, query_block: int = QUERY_BLOCK, bias=None,
@@ -281,6 +283,10 @@ def kvpack_attention_forward(module, query, key, value, attention_mask, dropout:
     if layer is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        sink = _QUERY_SINK.get()
+        if sink is not None:  # Attention Matching's batched self-study (kvpack.methods.am_selfstudy)
+            sink(getattr(module, "layer_idx", None), query, query.shape[-1] ** -0.5 if scaling is None else scaling)
+
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
@@ -315,6 +321,19 @@ def _visibility(positions: torch.Tensor, q_len: int, sliding_window: int | None)
     if sliding_window is not None:
         visible &= (qpos - kpos) < sliding_window
     return visible
+
+
+@contextlib.contextmanager
+def queries_to(sink):
+    """Within this context every attention call over an ordinary cache (not a kvpack one) first hands
+    ``sink(layer_idx, query, scaling)`` its queries, ``query`` ``[batch, heads, q, head_dim]`` after q-norm and
+    RoPE (``layer_idx`` is the attention module's, or ``None``). Attention Matching's batched self-study records
+    its reference queries this way (``kvpack.methods.am_selfstudy``)."""
+    token = _QUERY_SINK.set(sink)
+    try:
+        yield
+    finally:
+        _QUERY_SINK.reset(token)
 
 
 @contextlib.contextmanager

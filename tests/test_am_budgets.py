@@ -240,6 +240,39 @@ def test_self_study_queries_are_deterministic_and_pool_with_the_repeat_pass():
     assert sum(p.shape[1] for p in longer._reservoirs[0].parts) >= sum(p.shape[1] for p in a._reservoirs[0].parts)
 
 
+def _self_study_rows(tokens: int, batched_off: bool, prompts=None):
+    """Per compressed layer the recorded self-study queries ``[kv_heads, rows, d]``, rows sorted (the batched and
+    one-by-one paths record the same rows in another order)."""
+    from kvpack.methods.am import QueryReservoir
+    from kvpack.methods.am_selfstudy import PROMPTS, self_study_queries
+
+    model, tok = tiny_model("llama")
+    spec, layout = model_spec(model), chat_layout(tok)
+    prefix = layout.prefix_ids(tok)
+    full = prefill(model, prefix + layout.encode(tok, TEXT), len(prefix), layout, spec, 40)
+    res = [QueryReservoir(spec.num_kv_heads, 50_000) for _ in spec.compressed_layers]
+    self_study_queries(model, tok, full, res, tokens, prompts or PROMPTS, batched_off=batched_off)
+    out = []
+    for r in res:
+        q = torch.cat(r.parts, dim=1)
+        order = torch.argsort(q[0, :, 0] * 1e3 + q[0, :, 1], stable=True)
+        out.append(q[:, order])
+    return out
+
+
+def test_batched_self_study_records_the_same_queries_as_one_prompt_at_a_time():
+    """The prompts answered as one left-padded batch over copies of the context's KV record the queries of the same
+    tokens as answering them one after another over the prefill's cache (prompts of different lengths, so there is
+    padding; answers long enough that some rows run on after others would stop)."""
+    prompts = ("Summarize.", "Aggregate all the key facts mentioned in the context, please.", "List names.")
+    for tokens in (1, 6):
+        batched = _self_study_rows(tokens, False, prompts)
+        single = _self_study_rows(tokens, True, prompts)
+        for x, y in zip(batched, single):
+            assert x.shape == y.shape and x.shape[1] > 0
+            torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # schedule files
 

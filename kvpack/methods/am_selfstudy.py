@@ -7,18 +7,28 @@ Each prompt of ``PROMPTS`` (the official specs' conversation starters ``summariz
 (``ChatLayout.question_ids``) and answered greedily for at most ``tokens`` tokens (stopping at end-of-sequence),
 over the full prefilled cache. Greedy decoding makes the queries a function of the context alone: no seed is needed
 and two builds record the same queries. The paper generates up to 2,048 answer tokens per prompt with thinking
-enabled; kvpack bounds the cost to ``len(PROMPTS) x tokens`` decode steps (default 4 x 64) plus one prefill of each
-prompt.
+enabled; kvpack bounds the cost to ``tokens`` forward calls per prompt (the prompt, then ``tokens - 1`` answer
+tokens).
+
+The prompts are answered as one batch (``_batched``: a ``DynamicCache`` holding one copy of the context's KV per
+prompt, the prompts left-padded after the context) when the model has no sliding-window layers and the copies fit in
+``BATCH_BYTES``: a decode step reads the weights once for all prompts, so on 2 CPU cores at 2K tokens the four
+prompts cost about a third of answering them one after another. Otherwise one at a time over the prefill's own
+cache (``_one_by_one``). Both record the queries of the same tokens (``tests/test_am_budgets.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..attention import queries_to, use_kvpack_attention
 from ..prefill import Prefill
 from .am_continue import recording_cache
 
-__all__ = ["PROMPTS", "self_study_queries"]
+__all__ = ["PROMPTS", "BATCH_BYTES", "self_study_queries"]
+
+#: Most bytes of extra context KV copies the batched answers may hold (one copy per prompt beyond the first).
+BATCH_BYTES = 2 * 1024**3
 
 #: The paper code's self-study prompts (``conversation_specs.py``: summarize, aggregate, structure_json,
 #: 3_question).
@@ -34,7 +44,7 @@ PROMPTS = (
 
 @torch.inference_mode()
 def self_study_queries(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int,
-                       prompts: tuple[str, ...] = PROMPTS) -> list:
+                       prompts: tuple[str, ...] = PROMPTS, batched_off: bool = False) -> list:
     """Answer each prompt greedily for at most ``tokens`` tokens after the context and add each compressed layer's
     queries (prompt and answer tokens) to its reservoir.
 
@@ -44,17 +54,32 @@ def self_study_queries(model, tokenizer, prefill: Prefill, reservoirs: list, tok
         reservoirs: one ``QueryReservoir`` per compressed layer, in ``prefill.spec.compressed_layers`` order.
         tokens: answer tokens per prompt at most, ``>= 1``.
         prompts: the prompts (default ``PROMPTS``).
+        batched_off: answer one prompt at a time even where the batch would apply (tests compare the two).
 
     Returns:
         ``reservoirs``, filled. Raises nothing of its own.
     """
+    if not prefill.spec.sliding_layers and not batched_off:
+        extra = (len(prompts) - 1) * sum(k.numel() * k.element_size() * 2 for k in prefill.keys)
+        if extra <= BATCH_BYTES:
+            return _batched(model, tokenizer, prefill, reservoirs, tokens, prompts)
+    return _one_by_one(model, tokenizer, prefill, reservoirs, tokens, prompts)
+
+
+def _room(model, prefill: Prefill, prompt_tokens: int, tokens: int) -> int:
+    """Forward calls left for one prompt of ``prompt_tokens`` tokens: ``tokens``, fewer where the model's positions
+    run out (``<= 0``: none)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    return tokens if limit is None else min(tokens, int(limit) - prefill.tokens - prompt_tokens)
+
+
+def _one_by_one(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, prompts) -> list:
     cache, device = recording_cache(model, prefill, reservoirs)
     eos = tokenizer.eos_token_id
-    limit = int(model.config.max_position_embeddings) if hasattr(model.config, "max_position_embeddings") else None
     for prompt in prompts:
         cache.rewind()
         ids = prefill.layout.question_ids(tokenizer, prompt)
-        room = tokens if limit is None else min(tokens, limit - prefill.tokens - len(ids))
+        room = _room(model, prefill, len(ids), tokens)
         if room < 0:
             break  # the context leaves no positions for this prompt
         x = torch.tensor([ids], device=device)
@@ -65,4 +90,67 @@ def self_study_queries(model, tokenizer, prefill: Prefill, reservoirs: list, tok
                 break
             x = torch.tensor([[nxt]], device=device)
     cache.rewind()
+    return reservoirs
+
+
+def _batched(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, prompts) -> list:
+    """The prompts as one batch over copies of the context's KV (module docstring); the same tokens' queries as
+    ``_one_by_one`` (a row stops at its end-of-sequence token, which is not fed, or after ``room`` calls)."""
+    from transformers import DynamicCache
+
+    use_kvpack_attention(model)
+    device = prefill.keys[0].device
+    eos = tokenizer.eos_token_id
+    ids = [prefill.layout.question_ids(tokenizer, p) for p in prompts]
+    kept = []
+    for x in ids:  # as _one_by_one: stop at the first prompt with no positions left; a room of 0 records nothing
+        room = _room(model, prefill, len(x), tokens)
+        if room < 0:
+            break
+        if room > 0:
+            kept.append((x, room))
+    if not kept:
+        return reservoirs
+    ids, rooms = [x for x, _ in kept], [r for _, r in kept]
+    batch, width, n = len(ids), max(len(x) for x in ids), prefill.tokens
+    cache = DynamicCache(config=model.config)
+    for layer, (k, v) in enumerate(zip(prefill.keys, prefill.values)):
+        cache.update(k[None].expand(batch, *k.shape).contiguous(), v[None].expand(batch, *v.shape).contiguous(),
+                     layer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
+    x = torch.tensor([[pad] * (width - len(r)) + r for r in ids], device=device)
+    mask = torch.ones(batch, n + width, dtype=torch.long, device=device)
+    valid = torch.zeros(batch, width, dtype=torch.bool, device=device)
+    positions = torch.full((batch, width), n, dtype=torch.long, device=device)
+    for b, r in enumerate(ids):
+        mask[b, n : n + width - len(r)] = 0
+        valid[b, width - len(r):] = True
+        positions[b, width - len(r):] = torch.arange(n, n + len(r), device=device)
+    slots = {l: reservoirs[i] for i, l in enumerate(prefill.spec.compressed_layers)}
+    state = {"valid": valid}
+
+    def sink(layer_idx, query, scaling):
+        reservoir = slots.get(layer_idx)
+        if reservoir is None:
+            return
+        for b in range(batch):
+            if bool(state["valid"][b].any()):
+                reservoir.append((query[b][:, state["valid"][b]].detach(), scaling))
+
+    active = torch.ones(batch, dtype=torch.bool, device=device)
+    calls = torch.tensor(rooms, device=device)
+    with queries_to(sink):
+        for step in range(max(rooms)):
+            logits = model(input_ids=x, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                           use_cache=True).logits[:, -1]
+            nxt = logits.float().argmax(dim=-1)
+            active &= step + 1 < calls  # row b makes rooms[b] calls at most
+            if eos is not None:
+                active &= nxt != eos
+            if not bool(active.any()):
+                break
+            x = torch.where(active, nxt, torch.full_like(nxt, pad))[:, None]
+            state["valid"] = active[:, None]
+            mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long, device=device)], dim=1)
+            positions = positions[:, -1:] + 1
     return reservoirs
