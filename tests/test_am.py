@@ -246,6 +246,36 @@ def test_a_fit_with_values_the_loader_would_refuse_keeps_kvzips_selection(monkey
     check_kv_range(pack)
 
 
+def test_value_bound_rejects_fits_whose_values_leave_the_contexts_range(monkeypatch):
+    """``value_bound``: a head whose fitted values exceed ``value_bound`` x its context's largest |value| keeps
+    KVzip's entries as they are; fits inside the bound are kept, and without a bound (the default) nothing is
+    rejected for its range."""
+    import kvpack.methods.am as am_module
+
+    real = am_module.fit_head
+    stretch = {"factor": 1.0}
+
+    def scaled(keys, values, *args, **kwargs):
+        fit = real(keys, values, *args, **kwargs)
+        peak = float(values.abs().max())  # the context's own largest |value|
+        return type(fit)(**{**vars(fit), "values": fit.values / float(fit.values.abs().max()) * peak
+                            * stretch["factor"]})
+
+    monkeypatch.setattr(am_module, "fit_head", scaled)
+    kvzip = None
+    for factor, bound, rejected in ((3.0, 2.0, True), (1.5, 2.0, False), (3.0, 0.0, False)):
+        stretch["factor"] = factor
+        model, tok, pack = _build("llama", held_out_check=False, budgets="global", recent=0, value_bound=bound)
+        if kvzip is None:
+            kvzip = kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="kvzip", ratio=0.3, chunk_size=40)
+        fit = pack.metadata["stats"]["fit"]
+        fitted = 4 - fit["heads_unfitted"]  # 2 layers x 2 KV heads
+        assert fitted > 0
+        assert fit["heads_rejected"] == (fitted if rejected else 0), (factor, bound)
+        same = all(torch.equal(a.values, b.values) for a, b in zip(pack.layers, kvzip.layers))
+        assert same == rejected
+
+
 def test_fit_beats_selection_on_held_out_queries_of_a_real_model():
     _, _, pack = _build("llama", held_out_check=False)
     fit = pack.metadata["stats"]["fit"]

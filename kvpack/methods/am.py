@@ -326,6 +326,10 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                 if not bool((new_values.abs() <= C.MAX_KV_ABS).all()):  # also NaN: a value the loader refuses
                     rejected += 1
                     continue  # an ill-conditioned fit: the head stays as KVzip selected it
+                if self.value_bound > 0 and float(new_values.abs().max()) > self.value_bound * float(
+                        v_ctx.abs().max()):
+                    rejected += 1
+                    continue  # values far outside the context's own: an extrapolating fit
                 if n_held:
                     e_fit, e_sel = _held_out_errors(keys[h], values[h], held_q[h], sink, kept, fit.beta,
                                                     new_values.to(keys.device), scaling)

@@ -184,7 +184,8 @@ class AttentionMatchingParams(KVzipParams):
     """``am`` (``kvpack.methods.am.AttentionMatching``); KVzip's parameters drive its selection."""
 
     name: ClassVar[str] = "am"
-    absent_means: ClassVar[dict[str, Any]] = {"budgets": "global", "max_head_ratio": 1.0, "recent": 0}
+    absent_means: ClassVar[dict[str, Any]] = {"budgets": "global", "max_head_ratio": 1.0, "recent": 0,
+                                               "value_bound": 0.0}
     max_head_ratio: float = option(0.75, "most of a KV head's own context entries it may keep with --budgets "
                                          "global-capped or schedule (the paper's --max-ratio-per-head)",
                                    low=0.0, high=1.0)
@@ -213,6 +214,10 @@ class AttentionMatchingParams(KVzipParams):
                                       "self-study+repeat", choices=REFERENCES)
     continue_tokens: int = 512
     self_study_tokens: int = 64
+    # a head whose fitted values leave value_bound x the largest |value| of its own context is kept as selected
+    # (0: no bound): least squares fitted to the reference queries can extrapolate far beyond the data, which
+    # other queries then read (BENCHMARKS.md, "Issue 28, fifteenth session")
+    value_bound: float = 0.0
     ridge: float = option(0.0, "ridge of the values' least squares, as a share of the mean diagonal of the normal "
                                "equations (e.g. 0.001); 0 is the paper's plain least squares", low=0.0, high=1.0)
     ridge_to: str = option("zero", "what --ridge shrinks the fitted values toward: zero, or the kept entries' own "
@@ -241,6 +246,8 @@ class AttentionMatchingParams(KVzipParams):
         check_choice(self.name, "shift", self.shift, SHIFTS)
         check_choice(self.name, "reference", self.reference, REFERENCES)
         check_int(self.name, "continue_tokens", self.continue_tokens, 1)
+        check_float(self.name, "value_bound", self.value_bound, 0.0, 1e6)
+        self.value_bound = float(self.value_bound)
         check_float(self.name, "ridge", self.ridge, 0.0, 1.0)
         self.ridge = float(self.ridge)
         check_choice(self.name, "ridge_to", self.ridge_to, RIDGE_TARGETS)
