@@ -160,6 +160,10 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             in ``[0, 1]``; 0 (default) is the paper's plain least squares. Plain least squares fits the repeat
             pass's queries with values far outside the data's range (on the reference model up to 1,140 where the
             context's values stay below 5), which other queries then amplify; BENCHMARKS.md measures the option.
+        value_bound: a head whose fitted values leave ``value_bound x`` the largest |value| of its own context
+            entries keeps its selection (beta = 0, values copied), counted as rejected; default 2, 0 turns it off
+            (kvpack's, not the paper's: an unbounded fit lost +1.05 nats/token on a held-out SmolLM2 passage where
+            KVzip lost +0.14, BENCHMARKS.md).
         ridge_to: what the ridge shrinks the fitted values toward: ``"zero"`` (default, a plain ridge) or
             ``"selected"`` (the kept entries' own values, so a large ridge tends to ``values="copy"``); needs
             ``ridge > 0``.
