@@ -12,9 +12,10 @@ tokens).
 
 The prompts are answered as one batch (``_batched``: a ``DynamicCache`` holding one copy of the context's KV per
 prompt, the prompts left-padded after the context) when the model has no sliding-window layers and the copies fit in
-``BATCH_BYTES``: a decode step reads the weights once for all prompts (on SmolLM2 at 2K tokens on 2 loaded CPU
-cores, 16 tokens x 4 prompts took 23.0 s batched against 25.3 s one by one: little gain there, where attention over
-the copies and the cache's growth cost about what the weights do; not yet measured on a GPU). Otherwise one at a
+``BATCH_BYTES``: a decode step reads the weights once for all prompts. On 2 quiet CPU cores that gains nothing
+(SmolLM2, 2K tokens, 16 calls x 4 prompts: 6.28 s batched against 6.02 s one by one, ``tools/bench_selfstudy.py``,
+BENCHMARKS.md): attention over the copies and the cache's growth cost what the shared weight reads save. It is
+kept for accelerators, where one-token decode steps are bound by launches and weight reads; not yet measured there. Otherwise one at a
 time over the prefill's own cache (``_one_by_one``). Both record the queries of the same tokens (``tests/test_am_budgets.py``).
 """
 
