@@ -314,6 +314,7 @@ def heads(inputs, model_name, out_file, scoring, chunk_size, device, dtype, stor
 
     so = storage.parse_storage_options(storage_option)
     contexts = discover_contexts(inputs, storage_options=so)
+    storage.makedirs(storage.parent_of(out_file), so)  # before the scoring pass, so a bad --out fails at once
     model, tokenizer = _load(model_name, device, dtype)
     done = lambda i, n: click.echo(f"scored {i}/{n} contexts", err=True)  # noqa: E731
     scores = head_scores(model, tokenizer, [c.text for c in contexts], names=[c.name for c in contexts],
@@ -395,6 +396,7 @@ def schedule(inputs, out_file, solver, ratio, cap, delta, floor, continuation_to
     bad = [c for c in contexts if c.error]
     if bad:
         raise InputError(f"{bad[0].where}: {bad[0].error}; fix or remove it")
+    storage.makedirs(storage.parent_of(out_file), so)  # before the passes, so a bad --out fails at once
     _set_threads(threads)
     model, tokenizer = _load(model_name, device, dtype)
     texts, names = [c.text for c in contexts], [c.name for c in contexts]

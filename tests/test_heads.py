@@ -226,7 +226,7 @@ def test_cli_heads_build_and_info(tmp_path):
         (docs / f"h{i}.txt").write_text(t, encoding="utf-8")
     (tmp_path / "doc.txt").write_text(TEXT, encoding="utf-8")
     runner = CliRunner()
-    heads = tmp_path / "heads.safetensors"
+    heads = tmp_path / "new" / "folder" / "heads.safetensors"  # --out's folders are made, as build's are
     res = runner.invoke(cli, ["heads", str(docs), "--out", str(heads), "--chunk-size", "64", "--device", "cpu"])
     assert res.exit_code == 0, res.output
     hs = load_head_scores(heads)

@@ -152,7 +152,7 @@ def test_schedule_command_writes_a_checked_influence_schedule_that_am_builds_wit
 def test_schedule_command_scores_solver_and_errors(tmp_path):
     doc = tmp_path / "a.txt"
     doc.write_text(_texts()[0], encoding="utf-8")
-    out = tmp_path / "s.safetensors"
+    out = tmp_path / "new" / "s.safetensors"  # --out's folder is made
     run = CliRunner().invoke(cli, ["schedule", str(doc), "--out", str(out), "--solver", "scores", "--chunk-size",
                                    "64"])
     assert run.exit_code == 0, run.output
