@@ -267,7 +267,7 @@ def kvpack_attention_forward(module, query, key, value, attention_mask, dropout:
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         window = kwargs.get("sliding_window")
         if recorder is not None and recorder.wants_queries(layer_idx, q_start):
-            recorder.record_queries(layer_idx, query, q_start)
+            recorder.record_queries(layer_idx, query, q_start, scale)
         if recorder is not None and recorder.wants_columns(layer_idx, q_start):
             if one_pass_applies(query, key.shape[2], window):
                 out, sums = attention_with_column_sums(query, key, value, scale)

@@ -234,8 +234,13 @@ def _fit_lines(fit, compressed: list[int]) -> list[str]:
                                                                           "mass_error")]
     rows = [(str(compressed[i]) if i < len(compressed) else "?",
              *(_num(c[i]) if i < len(c) and c[i] is not None else "-" for c in cols)) for i in range(len(cols[0]))]
-    return [head, table(("layer", "fit error", "selection alone", "mass error"), rows, right=(0, 1, 2, 3),
-                        indent="  ")]
+    out = [head, table(("layer", "fit error", "selection alone", "mass error"), rows, right=(0, 1, 2, 3),
+                       indent="  ")]
+    chosen = fit.get("ridge_search")
+    if isinstance(chosen, dict):  # --ridge-search: each head's validated choice (am_validate)
+        counts = ", ".join(f"{printable(k)} {printable(v)}" for k, v in list(chosen.items())[:16])
+        out.append(f"  heads by validated choice (--ridge-search): {counts or 'none'}")
+    return out
 
 
 def _num(x) -> str:

@@ -264,9 +264,10 @@ class AttentionRecorder:
         """Whether the chunk of layer ``layer_idx`` whose first query is at ``q_start`` adds to ``query_energy``."""
         return self.query_energy is not None and q_start < self.tokens
 
-    def record_queries(self, layer_idx: int, query: torch.Tensor, q_start: int) -> None:
+    def record_queries(self, layer_idx: int, query: torch.Tensor, q_start: int, scaling: float | None = None) -> None:
         """Add a chunk's queries ``[1, heads, q, head_dim]`` (at positions ``q_start ..``, after RoPE; those at
-        positions ``>= tokens`` are left out) to ``query_energy``."""
+        positions ``>= tokens`` are left out) to ``query_energy``. ``scaling``, the layer's attention scaling, is
+        for subclasses that keep the queries themselves (``kvpack.methods.am_prefill``)."""
         _, kv_heads, group, dim = self._energy_shape
         q = query[0, :, : max(0, self.tokens - q_start)].double()
         self.query_energy[layer_idx] += q.pow(2).sum(dim=1).view(kv_heads, group, dim).sum(dim=1)

@@ -18,8 +18,8 @@ from kvpack.fileformat import load_pack, pack_to_bytes
 from kvpack.generation import question_input_ids
 from kvpack.methods import get_method
 from kvpack.methods.am import QueryReservoir
-from kvpack.methods.am_fit import (attention_output, context_attention, fit_head, least_squares, nnls_box,
-                                   rms_attention)
+from kvpack.methods.am_fit import (attention_output, context_attention, context_share, fit_head, least_squares,
+                                   nnls_box, rms_attention)
 from kvpack.layout import chat_layout
 from kvpack.model import model_spec
 from kvpack.prefill import prefill
@@ -164,6 +164,44 @@ def test_rms_attention_is_the_root_mean_square_of_the_softmax_over_queries():
     assert got.shape == (70,) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-5)
     assert int(got.argmax()) == int(want.argmax())
+
+
+def test_context_share_is_the_contexts_probability_mass_beside_the_sink():
+    """``context_share``: the context's share of softmax attention over ``[sink, context]``, against float64."""
+    gen = torch.Generator().manual_seed(7)
+    Q, S, K = torch.randn(25, 8, generator=gen) * 2, torch.randn(3, 8, generator=gen), torch.randn(40, 8, generator=gen)
+    _, lse = context_attention(Q, K, K, 0.5)
+    want = ((Q.double() @ torch.cat([S, K]).double().T) * 0.5).softmax(-1)[:, 3:].sum(-1)
+    torch.testing.assert_close(context_share(Q, S, lse, 0.5).double(), want, atol=1e-6, rtol=1e-5)
+    assert torch.equal(context_share(Q, S[:0], lse, 0.5), torch.ones(25))
+
+
+@pytest.mark.parametrize("shift", ["lse", "max"])
+def test_share_weights_ignore_queries_that_rest_on_the_sink(shift):
+    """``weights="share"``: queries whose attention is all on the sink leave the fit as it is without them, while
+    the paper's uniform weights let them move it; with no sink the two weightings are the same fit."""
+    gen = torch.Generator().manual_seed(8)
+    d = 8
+    K = torch.randn(30, d, generator=gen)
+    K[:, 0] = 0  # the context's logits do not depend on a query's first coordinate
+    V = torch.randn(30, d, generator=gen)
+    sink = torch.zeros(1, d)
+    sink[0, 0] = 10.0
+    reads = torch.randn(300, d, generator=gen)
+    rests = torch.randn(300, d, generator=gen) * 2  # other queries, whose attention sits on the sink
+    reads[:, 0], rests[:, 0] = -30.0, 30.0
+    kept = torch.tensor([1, 4, 9, 15, 22, 28])
+    alone = fit_head(K, V, reads, kept, d ** -0.5, shift=shift, weights="share", sink_keys=sink)
+    both = fit_head(K, V, torch.cat([reads, rests]), kept, d ** -0.5, shift=shift, weights="share", sink_keys=sink)
+    torch.testing.assert_close(both.values, alone.values, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(both.beta, alone.beta, atol=1e-4, rtol=1e-4)
+    uniform = fit_head(K, V, torch.cat([reads, rests]), kept, d ** -0.5, shift=shift)
+    assert float((uniform.values - alone.values).abs().max()) > 0.1
+    no_sink = fit_head(K, V, reads, kept, d ** -0.5, shift=shift, weights="share", sink_keys=sink[:0])
+    plain = fit_head(K, V, reads, kept, d ** -0.5, shift=shift)
+    torch.testing.assert_close(no_sink.values, plain.values)
+    with pytest.raises(ValueError, match="sink_keys"):
+        fit_head(K, V, reads, kept, d ** -0.5, weights="share")
 
 
 def test_unknown_shift_is_refused():
@@ -325,6 +363,119 @@ def test_continuation_queries_on_every_architecture(arch):
     assert fit["queries"] + fit["held_out"] > 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: q-norm before RoPE
+def test_prefill_queries_are_the_contexts_own_attention_queries(arch):
+    """``reference="prefill"``: the recorded rows are the prefill's queries (after q-norm and RoPE), one per
+    position and query head: attending causally over the prefill's own keys and values with them reproduces each
+    layer's attention output (the input of ``o_proj``) of a plain forward, position by position."""
+    from kvpack.methods.am_prefill import PrefillQueries
+
+    model, tok = tiny_model(arch)
+    spec, layout = model_spec(model), chat_layout(tok)
+    prefix = layout.prefix_ids(tok)
+    ids = prefix + layout.encode(tok, TEXT)
+    scorer = get_method("am", chunk_size=40, queries=50_000, reference="prefill")
+    recorder = scorer.recorder(spec, len(ids), "cpu")
+    assert isinstance(recorder, PrefillQueries)
+    full = prefill(model, ids, len(prefix), layout, spec, 40, recorder=recorder)
+    outputs = {}
+    hooks = [layer.self_attn.o_proj.register_forward_pre_hook(
+        lambda mod, args, l=l: outputs.__setitem__(l, args[0][0].detach()))
+        for l, layer in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    kv, group, d, n = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim, len(ids)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    for i, l in enumerate(spec.compressed_layers):
+        reservoir = recorder.reservoirs[i]
+        q = torch.cat([p.view(kv, group, -1, d).reshape(kv * group, -1, d) for p in reservoir.parts], dim=1)
+        assert q.shape == (spec.num_heads, n, d)
+        k = full.keys[l].float().repeat_interleave(group, dim=0)
+        v = full.values[l].float().repeat_interleave(group, dim=0)
+        logits = (q @ k.transpose(1, 2) * reservoir.scaling).masked_fill(~causal, float("-inf"))
+        want = outputs[l].view(n, spec.num_heads, d).transpose(0, 1).float()
+        torch.testing.assert_close(logits.softmax(-1) @ v, want, atol=2e-4, rtol=2e-4)
+    tailed = PrefillQueries(spec, len(ids), None, tail=7)  # the last 7 positions' queries, whole
+    prefill(model, ids, len(prefix), layout, spec, 40, recorder=tailed)
+    assert tailed.tail_start == n - 7 and tailed.scaling == recorder.reservoirs[0].scaling
+    for i, part in enumerate(tailed.tail_queries):
+        q = torch.cat([p.view(kv, group, -1, d).reshape(kv * group, -1, d) for p in recorder.reservoirs[i].parts], 1)
+        assert torch.equal(part, q[:, -7:])
+    scorer.score(model, tok, full)  # the recorded pools become the reference; a prefill without them re-records
+    again = get_method("am", chunk_size=40, queries=50_000, reference="prefill")
+    again.score(model, tok, prefill(model, ids, len(prefix), layout, spec, 40))
+    for a, b in zip(scorer._reservoirs, again._reservoirs):
+        assert torch.equal(torch.cat(a.parts, dim=1), torch.cat(b.parts, dim=1))
+    both = get_method("am", chunk_size=40, queries=50_000, reference="prefill+repeat")
+    both.score(model, tok, full)
+    _, repeat, _ = _reference_pools(arch)
+    assert [sum(p.shape[1] for p in r.parts) for r in both._reservoirs] == [r + n * group for r in repeat]
+
+
+def test_prefill_queries_build_a_pack_that_generates(tmp_path):
+    model, tok, pack = _build("llama", reference="prefill")
+    assert pack.metadata["method_params"]["reference"] == "prefill"
+    assert pack.metadata["stats"]["fit"]["queries"] > 0
+    path = tmp_path / "p.kvpack"
+    kvpack.save(pack, path)
+    cache = kvpack.load(path, model, tokenizer=tok)
+    assert isinstance(kvpack.generate(model, tok, cache, "Who?", max_new_tokens=4), str)
+
+
+def test_causal_output_is_masked_softmax_attention():
+    from kvpack.methods.am_validate import causal_output
+
+    gen = torch.Generator().manual_seed(9)
+    Q, K, V = torch.randn(6, 8, generator=gen), torch.randn(10, 8, generator=gen), torch.randn(10, 4, generator=gen)
+    qpos, kpos, bias = torch.tensor([3, 5, 9, 9, 4, 7]), torch.arange(10), torch.randn(10, generator=gen)
+    got = causal_output(Q, qpos, K, kpos, V, 0.4, bias)
+    for r in range(6):
+        seen = slice(0, int(qpos[r]) + 1)
+        want = ((Q[r] @ K[seen].T) * 0.4 + bias[seen]).softmax(-1) @ V[seen]
+        torch.testing.assert_close(got[r], want)
+
+
+def test_ridge_search_takes_the_candidate_best_on_the_validation_queries():
+    """``choose_fit``: every candidate scored; the one returned has the lowest validation error; on validation
+    queries like the fit's the least-squares fits beat KVzip's entries as they are, and on queries where every fit
+    is worse the selection itself is returned (beta 0, values copied)."""
+    from kvpack.methods.am_validate import CANDIDATES, choose_fit
+
+    gen = torch.Generator().manual_seed(10)
+    T, d, sink = 64, 8, 2
+    K, V = torch.randn(T, d, generator=gen), torch.randn(T, d, generator=gen)
+    pos = torch.arange(T)
+    kept = torch.arange(0, T - sink, 4)
+    fit_q = torch.randn(2000, d, generator=gen)
+    fit = fit_head(K[sink:], V[sink:], fit_q, kept, d ** -0.5, keep_design=True)
+    like = torch.randn(300, d, generator=gen)
+    name, beta, values, errors = choose_fit(K, V, pos, sink, kept, fit.beta, *fit.design, like,
+                                            torch.full((300,), T - 1), d ** -0.5)
+    assert set(errors) == set(CANDIDATES) and name == min(errors, key=errors.get)
+    assert name.startswith("ridge") and errors[name] < 0.8 * errors["selection"]
+    assert torch.equal(beta, fit.beta) and values.shape == (len(kept), d)
+    # queries that see only the sink and the first context entry (kept): the selection is exact there, a fit is not
+    name, beta, values, errors = choose_fit(K, V, pos, sink, kept, fit.beta, *fit.design, like * 0,
+                                            torch.full((300,), sink), d ** -0.5)
+    assert name == "selection" and torch.equal(beta, torch.zeros_like(beta)) and torch.equal(values, V[sink + kept])
+
+
+def test_ridge_search_builds_a_pack_that_generates(tmp_path):
+    model, tok, pack = _build("llama", ridge_search=True)
+    fit = pack.metadata["stats"]["fit"]
+    fitted = 4 - fit["heads_unfitted"]
+    assert fitted > 0 and sum(fit["ridge_search"].values()) == fitted
+    assert fit["heads_rejected"] == fit["ridge_search"].get("selection", 0)
+    path = tmp_path / "r.kvpack"
+    kvpack.save(pack, path)
+    cache = kvpack.load(path, model, tokenizer=tok)
+    assert isinstance(kvpack.generate(model, tok, cache, "Who?", max_new_tokens=4), str)
+
+
 def _whole_layer(full, l, drop_every=0):
     """``LayerEntries`` of every entry of prefill layer ``l`` (or, with ``drop_every = k``, without every k-th
     context entry of each head)."""
@@ -389,7 +540,7 @@ def test_sink_stays_exact():
 
 def test_bad_options_are_input_errors():
     for bad in (dict(values="lsq"), dict(selection="mean"), dict(queries=3), dict(on_policy="yes"), dict(shift="mean"),
-                dict(ridge=0.1, ridge_to="mean"), dict(ridge=2.0)):
+                dict(ridge=0.1, ridge_to="mean"), dict(ridge=2.0), dict(weights="query")):
         with pytest.raises(InputError):
             get_method("am", **bad)
     with pytest.raises(InputError, match="give --ridge too"):  # a ridge target without a ridge would do nothing

@@ -233,14 +233,20 @@ def test_python_dash_m_and_version():
     (["--method", "random", "--seed", "3", "--budget", "layer"], "method\\s+random \\(budget=layer, seed=3\\)"),
     (["--method", "none"], "method\\s+none$"),
     (["--method", "am", "--select", "rms", "--values", "copy", "--queries", "64", "--on-policy"],
-     "method\\s+am \\(.*on_policy=True, queries=64, recent=16, reference=repeat, ridge=0.0, ridge_to=zero, .*"
-     "scoring=attention, selection=rms, .*values=copy\\)"),
+     "method\\s+am \\(.*on_policy=True, queries=64, recent=16, reference=repeat, ridge=0.0, ridge_search=False, "
+     "ridge_to=zero, .*scoring=attention, selection=rms, .*values=copy, weights=uniform\\)"),
     (["--method", "am", "--reference", "both", "--queries", "64"],
-     "method\\s+am \\(.*queries=64, recent=16, reference=both, .*values=fit\\)"),
+     "method\\s+am \\(.*queries=64, recent=16, reference=both, .*values=fit, weights=uniform\\)"),
     (["--method", "am", "--ridge", "0.001", "--queries", "64"],
-     "method\\s+am \\(.*queries=64, recent=16, reference=repeat, ridge=0.001, ridge_to=zero, .*values=fit\\)"),
+     "method\\s+am \\(.*queries=64, recent=16, reference=repeat, ridge=0.001, ridge_search=False, ridge_to=zero, "
+     ".*values=fit, weights=uniform\\)"),
+    (["--method", "am", "--reference", "prefill", "--fit-weights", "share", "--queries", "64"],
+     "method\\s+am \\(.*queries=64, recent=16, reference=prefill, .*values=fit, weights=share\\)"),
+    (["--method", "am", "--ridge-search", "--queries", "64"],
+     "method\\s+am \\(.*reference=repeat, ridge=0.0, ridge_search=True, ridge_to=zero, .*values=fit, "
+     "weights=uniform\\)"),
     (["--method", "am", "--ridge", "1", "--ridge-to", "selected", "--queries", "64"],
-     "method\\s+am \\(.*ridge=1.0, ridge_to=selected, .*values=fit\\)"),
+     "method\\s+am \\(.*ridge=1.0, ridge_search=False, ridge_to=selected, .*values=fit, weights=uniform\\)"),
 ])
 def test_build_with_method_options_and_info_shows_them(docs, models, tmp_path, args, params):
     out = tmp_path / "packs"
@@ -252,6 +258,7 @@ def test_build_with_method_options_and_info_shows_them(docs, models, tmp_path, a
     assert budgets and sum(int(b) for b in budgets.group(1).split(", ")) == int(kept.group(1).replace(",", ""))
     assert ("merged " in info) == ("d2o" in args and "off" not in args)
     assert ("attention matching fit" in info) == ("am" in args)
+    assert ("heads by validated choice (--ridge-search)" in info) == ("--ridge-search" in args)
     if "both" in args:  # kvpack ls names the options that differ from the method's defaults
         listing = _run(["ls", str(out)]).stdout
         assert re.search(r"alpha\.kvpack\s+alpha\.txt\s+am\[queries=64;reference=both\]\s+[\d.]+\s+none\s", listing)

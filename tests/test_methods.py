@@ -192,7 +192,8 @@ def test_build_flags_are_made_from_the_declared_fields():
     assert {f: o.param for f, o in opts.items()} == {
         "--score": "scoring", "--heads": "heads", "--window": "window", "--select": "selection", "--values": "values",
         "--queries": "queries", "--on-policy": "on_policy", "--reference": "reference", "--ridge": "ridge",
-        "--ridge-to": "ridge_to", "--value-bound": "value_bound", "--sink": "sink", "--recent-ratio": "recent_ratio", "--merge": "merge",
+        "--ridge-to": "ridge_to", "--value-bound": "value_bound", "--fit-weights": "weights",
+        "--ridge-search": "ridge_search", "--sink": "sink", "--recent-ratio": "recent_ratio", "--merge": "merge",
         "--beta": "beta", "--budget": "budget", "--question": "question", "--seed": "seed",
         "--max-head-ratio": "max_head_ratio", "--budgets": "budgets", "--schedule": "schedule", "--recent": "recent"}
     assert [u[0] for u in opts["--window"].uses] == ["kvzip-head", "snapkv", "pyramidkv"]

@@ -95,7 +95,7 @@ def packs_for(model, tok, text: str, ratios: list[float], queries: int, budgets=
     scorers, source_seconds = {}, {}
 
     def source_of(p: dict) -> tuple:
-        keys = ("reference", "continue_tokens", "self_study_tokens", "queries", "on_policy")
+        keys = ("reference", "continue_tokens", "self_study_tokens", "queries", "on_policy", "ridge_search")
         return tuple((k, p[k]) for k in keys if k in p)
 
     out, spent = {}, {name: 0.0 for name in variants}
@@ -116,6 +116,7 @@ def packs_for(model, tok, text: str, ratios: list[float], queries: int, budgets=
                     m = get_method("am", **{"queries": queries, **p})
                     source = scorers[source_of(p)]
                     m._spec, m._reservoirs = source._spec, source._reservoirs
+                    m._validation = getattr(source, "_validation", None)  # ridge_search's queries
                     m._model, m._tokenizer = model, tok
                 else:
                     m = get_method(method, **p)

@@ -14,16 +14,19 @@ from .. import constants as C
 from ..pack import LayerEntries
 from ..prefill import Prefill
 from .am_fit import attention_output, fit_head, relative_error, rms_attention
+from .am_validate import choose_fit
 from .base import top_k_rows
 from .budgets import protect_recent, split
 from .d2o import D2O, merge_plan, merge_rows
 from .kvzip import KVzip
 from .params import AttentionMatchingParams
 
-__all__ = ["AttentionMatching", "QueryReservoir", "HELD_OUT"]
+__all__ = ["AttentionMatching", "QueryReservoir", "HELD_OUT", "PREFILL_REFERENCES"]
 
 #: Reference queries per KV head held out of the fit to measure it (at most; an eighth of a smaller pool).
 HELD_OUT = 256
+#: The ``reference`` sources that read the context's own prefill queries (``kvpack.methods.am_prefill``).
+PREFILL_REFERENCES = ("prefill", "prefill+repeat")
 #: Seed of the deterministic query subsampling.
 QUERY_SEED = 0
 #: A head is fitted only when its fit queries outnumber its kept entries this many times (least squares needs
@@ -99,7 +102,10 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     ``reference="continue"`` takes instead the queries of tokens the model samples after the context
     (``kvpack.methods.am_continue``), ``"both"`` pools the two sources; ``"self-study"`` takes the queries of the
     model's greedy answers to the paper's self-study prompts (§4.1, ``kvpack.methods.am_selfstudy``), and
-    ``"self-study+repeat"`` pools them with the repeat pass's (the paper's ``ss-plus-repeat``).
+    ``"self-study+repeat"`` pools them with the repeat pass's (the paper's ``ss-plus-repeat``); ``"prefill"`` takes
+    the context's own prefill queries, recorded as the prefill runs (the paper's ``context-prefill``,
+    ``kvpack.methods.am_prefill``; free when the prefill ran with this method's ``recorder``, one more prefill
+    otherwise), and ``"prefill+repeat"`` pools them with the repeat pass's.
 
     Kept keys: ``ratio`` is the share of all context entries kept, over every compressed layer and KV head, split
     per head by ``budgets`` (``kvpack.methods.budgets``) over KVzip's scores: ``"global-capped"`` (default: KVzip's
@@ -153,7 +159,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         reference: where the reference queries come from: ``"repeat"`` (KVzip's repeat pass, default),
             ``"continue"`` (``continue_tokens`` tokens the model samples after the context,
             ``kvpack.methods.am_continue``), ``"both"`` (one pool of the two), ``"self-study"`` or
-            ``"self-study+repeat"``.
+            ``"self-study+repeat"``, ``"prefill"`` or ``"prefill+repeat"``.
         self_study_tokens: answer tokens per self-study prompt at most (default 64), ``>= 1``.
         continue_tokens: sampled tokens for ``"continue"`` and ``"both"`` (one decode step each), ``>= 1``.
         ridge: the values' least squares regularised by ``ridge x mean(diag(X^T X))`` (``am_fit.least_squares``),
@@ -167,6 +173,15 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         ridge_to: what the ridge shrinks the fitted values toward: ``"zero"`` (default, a plain ridge) or
             ``"selected"`` (the kept entries' own values, so a large ridge tends to ``values="copy"``); needs
             ``ridge > 0``.
+        ridge_search: each fitted head takes whichever of KVzip's entries as they are, the fitted biases with
+            copied values, or the fitted biases with values by least squares with a ridge toward the copied values
+            (``am_validate.RIDGE_GRID``, 0 included) gives the lowest error on the context's last
+            ``am_validate.TAIL_TOKENS`` tokens' own prefill queries, replayed causally (kvpack's, not the paper's;
+            the validation replaces ``value_bound`` and ``held_out_check``, and ``ridge``/``ridge_to`` are unused);
+            the choices are counted in ``stats["fit"]["ridge_search"]``.
+        weights: ``"uniform"`` (default, the paper's) or ``"share"``: each reference query's rows of the fit
+            weighted by the share of its attention over ``[sink, context]`` that falls on the context
+            (``am_fit.context_share``; kvpack's), so queries resting on the attention sink no longer drive it.
     """
 
     stats_key: ClassVar[str] = "fit"
@@ -188,6 +203,19 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         if self._schedule_sha256 is not None:
             out["schedule_sha256"] = self._schedule_sha256
         return out
+
+    def recorder(self, spec, tokens: int, device):
+        """With ``reference="prefill"`` or ``"prefill+repeat"``, or ``ridge_search``: a ``PrefillQueries`` recorder
+        that keeps the prefill's own queries of the compressed layers (``kvpack.methods.am_prefill``): all of them
+        as reference queries, the context's last ``am_validate.TAIL_TOKENS`` as validation queries; else ``None``."""
+        if self.reference not in PREFILL_REFERENCES and not self.ridge_search:
+            return None
+        from .am_prefill import PrefillQueries
+        from .am_validate import TAIL_TOKENS
+
+        reservoirs = ([QueryReservoir(spec.num_kv_heads, self.queries) for _ in spec.compressed_layers]
+                      if self.reference in PREFILL_REFERENCES else None)
+        return PrefillQueries(spec, tokens, reservoirs, TAIL_TOKENS if self.ridge_search else 0, device)
 
     def _prepare_repeat_pass(self, cache, start: int) -> None:
         spec = self._spec
@@ -215,6 +243,19 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             else:  # one pool, subsampled to ``queries`` by ``QueryReservoir.split``
                 for mine, theirs in zip(self._reservoirs, studied):
                     mine.parts.extend(theirs.parts)
+        elif self.reference in PREFILL_REFERENCES:
+            from .am_prefill import PrefillQueries, record_prefill_queries
+
+            if isinstance(prefill.stats, PrefillQueries) and prefill.stats.reservoirs is not None:
+                recorded = prefill.stats.reservoirs  # recorded as the prefill ran (``recorder``)
+            else:  # a prefill made without this method's recorder: the same tokens again, recorded
+                recorded = record_prefill_queries(model, prefill, self.chunk_size,
+                                                  self._new_reservoirs(prefill)).reservoirs
+            if self.reference == "prefill":
+                self._reservoirs = recorded
+            else:  # prefill+repeat: one pool, subsampled to ``queries`` by ``QueryReservoir.split``
+                for mine, theirs in zip(self._reservoirs, recorded):
+                    mine.parts.extend(theirs.parts)
         elif self.reference != "repeat":
             from .am_continue import continuation_queries
 
@@ -225,7 +266,24 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             else:  # both: one pool, subsampled to ``queries`` by ``QueryReservoir.split``
                 for mine, theirs in zip(self._reservoirs, sampled):
                     mine.parts.extend(theirs.parts)
+        if self.ridge_search:
+            from .am_prefill import PrefillQueries, record_prefill_queries
+            from .am_validate import TAIL_TOKENS
+
+            rec = prefill.stats
+            if not isinstance(rec, PrefillQueries) or rec.tail_queries is None:
+                rec = record_prefill_queries(model, prefill, self.chunk_size, tail=TAIL_TOKENS)
+            self._validation = (rec.tail_queries, rec.tail_start, rec.scaling)
         return scores
+
+    def _validation_queries(self, prefill: Prefill, i: int, h: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """KV head ``h`` of compressed layer ``i``: its GQA group's validation queries ``[group x n, d]``, their
+        positions ``[group x n]`` and the layer's scaling (``ridge_search``)."""
+        tails, start, scaling = self._validation
+        group = prefill.spec.num_heads // prefill.spec.num_kv_heads
+        q = tails[i][h * group : (h + 1) * group]  # [group, n, d]
+        pos = torch.arange(start, start + q.shape[1]).repeat(group)
+        return q.reshape(-1, q.shape[-1]), pos, scaling
 
     def _new_reservoirs(self, prefill: Prefill) -> list[QueryReservoir]:
         """One empty ``QueryReservoir`` per compressed layer, capped at ``queries`` per KV head."""
@@ -301,6 +359,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     def update_entries(self, prefill: Prefill, keep: torch.Tensor, layers: list[LayerEntries]) -> dict:
         spec, sink = prefill.spec, prefill.sink
         errors, baseline, mass, n_fit, n_held, unfitted, rejected = [], [], [], 0, 0, 0, 0
+        chosen: dict[str, int] = {}
         reservoirs = list(self._reservoirs or [])
         for i, l in enumerate(spec.compressed_layers):
             if self.on_policy and i > 0:
@@ -320,9 +379,29 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                     continue  # as KVzip selected it (nothing kept, or nothing evicted): beta = 0, values copied
                 k_ctx, v_ctx = keys[h, sink:], values[h, sink:]
                 fit = fit_head(k_ctx, v_ctx, fit_q[h], kept, scaling, fit_values=self.values == "fit",
-                               shift=self.shift, ridge=self.ridge,
-                               ridge_to=self.ridge_to)
+                               shift=self.shift, ridge=self.ridge, ridge_to=self.ridge_to,
+                               weights=self.weights, sink_keys=keys[h, :sink],
+                               keep_design=self.ridge_search and self.values == "fit")
                 new_values = fit.values
+                if fit.design is not None:  # ridge_search: the candidate best on the validation queries
+                    vq, vpos, vscale = self._validation_queries(prefill, i, h)
+                    name, beta, new_values, _ = choose_fit(
+                        keys[h], values[h], prefill.positions[l].to(keys.device), sink, kept, fit.beta,
+                        *fit.design, vq.to(keys.device), vpos.to(keys.device), vscale, C.MAX_KV_ABS)
+                    chosen[name] = chosen.get(name, 0) + 1
+                    if name == "selection":
+                        rejected += 1
+                        continue  # KVzip's entries as they are
+                    rows = slice(offsets[h] + sink, offsets[h] + sink + len(kept))
+                    entries.values[rows] = new_values.to(entries.values.dtype).cpu()
+                    biases[rows] = beta.cpu()
+                    ms.append(fit.mass_error)
+                    if n_held:
+                        e_fit, e_sel = _held_out_errors(keys[h], values[h], held_q[h], sink, kept, beta,
+                                                        new_values.to(keys.device), scaling)
+                        err.append(e_fit)
+                        base.append(e_sel)
+                    continue
                 if self.values == "merge" and len(kept) < k_ctx.shape[0]:
                     evicted = (~keep[i, h]).nonzero().squeeze(1).to(keys.device)
                     merged, target, w = merge_plan(k_ctx[kept].cpu(), k_ctx[evicted].cpu(), D2O.beta)
@@ -351,8 +430,11 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             errors.append(_mean(err))
             baseline.append(_mean(base))
             mass.append(_mean(ms))
-        return {"queries": n_fit, "held_out": n_held, "relative_error": errors, "selection_error": baseline,
-                "mass_error": mass, "heads_unfitted": unfitted, "heads_rejected": rejected}
+        out = {"queries": n_fit, "held_out": n_held, "relative_error": errors, "selection_error": baseline,
+               "mass_error": mass, "heads_unfitted": unfitted, "heads_rejected": rejected}
+        if self.ridge_search:
+            out["ridge_search"] = chosen
+        return out
 
     def _recompute_queries(self, prefill: Prefill, layers: list[LayerEntries], i: int) -> QueryReservoir:
         """On-policy queries of compressed layer ``i``: KVzip's repeat passes again, the compressed layers before

@@ -32,10 +32,10 @@ import math
 import torch
 
 from ..attention_math import flash_folded
-from .params import RIDGE_TARGETS
+from .params import FIT_WEIGHTS, RIDGE_TARGETS
 
 __all__ = ["BETA_RANGE", "NNLS_ITERS", "RIDGE", "RIDGE_STEPS", "nnls_box", "least_squares",
-           "HeadFit", "fit_head", "context_attention", "attention_output", "relative_error", "rms_attention"]
+           "HeadFit", "fit_head", "context_share", "context_attention", "attention_output", "relative_error", "rms_attention"]
 
 #: beta = log w is clamped to this range (the paper's configuration: w in [e^-3, e^3]).
 BETA_RANGE = (-3.0, 3.0)
@@ -144,15 +144,34 @@ def least_squares(X: torch.Tensor, Y: torch.Tensor, fallback: torch.Tensor | Non
 class HeadFit:
     """The compacted context of one KV head: ``beta`` ``[t]`` float32 and ``values`` ``[t, dv]`` float32 for the
     kept entries (in the order of ``kept``), plus ``mass_error``: the relative error of the fitted mass on the
-    fit queries, ``mean |M w - y| / y``."""
+    fit queries, ``mean |M w - y| / y``, and ``design``: the value fit's ``(X [n, t], Y [n, dv])`` when asked for
+    (``fit_head(keep_design=True)``), else ``None``."""
 
-    def __init__(self, beta: torch.Tensor, values: torch.Tensor, mass_error: float):
-        self.beta, self.values, self.mass_error = beta, values, mass_error
+    def __init__(self, beta: torch.Tensor, values: torch.Tensor, mass_error: float,
+                 design: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.beta, self.values, self.mass_error, self.design = beta, values, mass_error, design
+
+
+def context_share(queries: torch.Tensor, sink_keys: torch.Tensor, lse: torch.Tensor, scaling: float
+                  ) -> torch.Tensor:
+    """``[n]`` float32 in (0, 1): the share of each query's attention over ``[sink, context]`` that falls on the
+    context, ``sigmoid(lse - logsumexp(scaling Q S^T))``, for ``queries`` ``[n, d]``, the sink's keys ``sink_keys``
+    ``[s, d]`` and the context's log-sum-exp ``lse`` ``[n]``. Ones when the sink is empty.
+
+    It is how much an error of the context's normalised output moves the head's output: attention over ``[sink,
+    context]`` is ``a o_context + (1 - a) o_sink``, so a query that rests on the attention sink (``a`` near 0; most
+    repeat-pass queries of a model's dormant heads) hardly reads the context at all (kvpack's weighting of the fit,
+    ``weights="share"``; the paper fits every reference query alike)."""
+    if sink_keys.shape[0] == 0:
+        return torch.ones_like(lse)
+    sink_lse = ((queries @ sink_keys.float().T) * scaling).logsumexp(dim=1)
+    return torch.sigmoid(lse - sink_lse)
 
 
 def fit_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, kept: torch.Tensor, scaling: float,
              fit_values: bool = True, beta_range: tuple[float, float] = BETA_RANGE, iters: int = NNLS_ITERS,
-             shift: str = "lse", ridge: float = 0.0, ridge_to: str = "zero") -> HeadFit:
+             shift: str = "lse", ridge: float = 0.0, ridge_to: str = "zero", weights: str = "uniform",
+             sink_keys: torch.Tensor | None = None, keep_design: bool = False) -> HeadFit:
     """Fit beta (mass matching) and, if ``fit_values``, the values of one head's kept entries (module docstring).
 
     Args:
@@ -166,12 +185,22 @@ def fit_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, ke
         ridge: the values' ridge (``least_squares``), ``0`` for plain least squares (the paper's).
         ridge_to: ``"zero"`` or ``"selected"``: the ridge shrinks the values toward zero or toward the kept
             entries' own values (``least_squares``'s ``prior``).
+        weights: ``"uniform"`` (the paper's: every reference query counts alike) or ``"share"``: each query's rows
+            of the mass and value fits are weighted by its ``context_share`` (kvpack's), so the fit is measured as
+            the head's output over ``[sink, context]`` sees it.
+        sink_keys: ``[s, d]`` float32 keys of the attention sink (kept exact), needed by ``weights="share"``.
+        keep_design: also return the value fit's ``X`` and ``Y`` (``HeadFit.design``; ``am_validate``).
 
     Returns:
-        ``HeadFit`` (``t = 0``: empty tensors). Raises ``ValueError`` for another ``shift`` or ``ridge_to``.
+        ``HeadFit`` (``t = 0``: empty tensors). Raises ``ValueError`` for another ``shift``, ``ridge_to`` or
+        ``weights``, or ``weights="share"`` without ``sink_keys``.
     """
     if ridge_to not in RIDGE_TARGETS:
         raise ValueError(f"fit_head: ridge_to must be one of {RIDGE_TARGETS}, got {ridge_to!r}")
+    if weights not in FIT_WEIGHTS:
+        raise ValueError(f"fit_head: weights must be one of {FIT_WEIGHTS}, got {weights!r}")
+    if weights == "share" and sink_keys is None:
+        raise ValueError("fit_head: weights='share' needs the sink's keys (sink_keys)")
     t = kept.shape[0]
     if t == 0:
         return HeadFit(keys.new_zeros(0), values.new_zeros(0, values.shape[1]), 0.0)
@@ -185,17 +214,23 @@ def fit_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, ke
         y = E.sum(dim=1)  # [n], >= 1
         M = E[:, kept]  # [n, t]
         target = (E @ values) / y[:, None] if fit_values else None
+        lse = y.log() + logits.amax(dim=1) if weights == "share" else None
     else:
         raise ValueError(f"fit_head: shift must be 'lse' or 'max', got {shift!r}")
-    w = nnls_box(M, y, math.exp(beta_range[0]), math.exp(beta_range[1]), iters)
+    a = None if weights == "uniform" else context_share(queries, sink_keys, lse, scaling)[:, None]  # [n, 1]
+    w = nnls_box(M if a is None else M * a, y if a is None else y * a[:, 0], math.exp(beta_range[0]),
+                 math.exp(beta_range[1]), iters)
     mass = M @ w
     mass_error = float(((mass - y).abs() / y).mean())
     copied = values[kept]
     if not fit_values:
         return HeadFit(w.log(), copied.clone(), mass_error)
     X = (M * w) / mass[:, None]  # [n, t]
+    if a is not None:  # weighted least squares: rows scaled by the query's context share
+        X, target = X * a, target * a
     prior = copied if ridge_to == "selected" else None
-    return HeadFit(w.log(), least_squares(X, target, fallback=copied, ridge=ridge, prior=prior), mass_error)
+    return HeadFit(w.log(), least_squares(X, target, fallback=copied, ridge=ridge, prior=prior), mass_error,
+                   (X, target) if keep_design else None)
 
 
 def context_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float

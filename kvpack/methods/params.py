@@ -30,7 +30,7 @@ from ..errors import InputError
 
 __all__ = ["Option", "option", "MethodParams", "PARAMS", "CommandLineOption", "command_line_options",
            "parameter_types", "parse_value", "SCOPES", "SCORINGS", "MERGE_MODES", "SELECTIONS", "VALUE_MODES",
-           "REFERENCES", "SHIFTS", "RIDGE_TARGETS", "BUDGETS", "MAX_QUERIES", "check_int", "check_float",
+           "REFERENCES", "SHIFTS", "RIDGE_TARGETS", "FIT_WEIGHTS", "BUDGETS", "MAX_QUERIES", "check_int", "check_float",
            "check_choice", "check_bool"]
 
 #: The top-k scopes of ``Method.select`` (``budget``): one top-k over everything, per layer, per KV head.
@@ -44,8 +44,10 @@ SELECTIONS = ("kvzip", "rms", "kvzip+rms", "omp")
 VALUE_MODES = ("fit", "copy", "merge")
 #: Sources of Attention Matching's reference queries (``reference``): KVzip's repeat pass, sampled
 #: self-continuations, both of those, the model's greedy answers to self-study prompts about the context
-#: (``kvpack.methods.am_selfstudy``), or self-study pooled with the repeat pass (the paper's ``ss-plus-repeat``).
-REFERENCES = ("repeat", "continue", "both", "self-study", "self-study+repeat")
+#: (``kvpack.methods.am_selfstudy``), self-study pooled with the repeat pass (the paper's ``ss-plus-repeat``), the
+#: context's own prefill queries (the paper's ``context-prefill``, ``kvpack.methods.am_prefill``), or those pooled
+#: with the repeat pass's.
+REFERENCES = ("repeat", "continue", "both", "self-study", "self-study+repeat", "prefill", "prefill+repeat")
 #: Attention Matching's per-head budget splits (``budgets``; ``kvpack.methods.budgets``): KVzip's global top-k,
 #: the same with a per-head cap (``max_head_ratio``), an even split, or a per-model schedule file.
 BUDGETS = ("global", "global-capped", "uniform", "schedule")
@@ -56,6 +58,9 @@ SHIFTS = ("lse", "max")
 #: What Attention Matching's values ridge shrinks them toward (``ridge_to``): zero (a plain ridge) or the selected
 #: entries' own values.
 RIDGE_TARGETS = ("zero", "selected")
+#: How Attention Matching weighs its reference queries in the fit (``weights``; ``am_fit.fit_head``): alike (the
+#: paper's), or by the share of each query's attention that falls on the context rather than the attention sink.
+FIT_WEIGHTS = ("uniform", "share")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -185,7 +190,8 @@ class AttentionMatchingParams(KVzipParams):
 
     name: ClassVar[str] = "am"
     absent_means: ClassVar[dict[str, Any]] = {"budgets": "global", "max_head_ratio": 1.0, "recent": 0,
-                                               "value_bound": 0.0}
+                                               "value_bound": 0.0, "weights": "uniform",
+                                               "ridge_search": False}
     max_head_ratio: float = option(0.75, "most of a KV head's own context entries it may keep with --budgets "
                                          "global-capped or schedule (the paper's --max-ratio-per-head)",
                                    low=0.0, high=1.0)
@@ -210,8 +216,9 @@ class AttentionMatchingParams(KVzipParams):
     shift: str = "lse"
     reference: str = option("repeat", "reference queries from KVzip's repeat pass, from 512 tokens the model "
                                       "samples after the context (slower: a decode step each), both, the "
-                                      "model's greedy answers to self-study prompts about the context, or "
-                                      "self-study+repeat", choices=REFERENCES)
+                                      "model's greedy answers to self-study prompts about the context, "
+                                      "self-study+repeat, the context's own prefill queries (free), or "
+                                      "prefill+repeat", choices=REFERENCES)
     continue_tokens: int = 512
     self_study_tokens: int = 64
     # least squares fitted to the reference queries can extrapolate far beyond the data, which other queries then
@@ -225,10 +232,19 @@ class AttentionMatchingParams(KVzipParams):
     ridge_to: str = option("zero", "what --ridge shrinks the fitted values toward: zero, or the kept entries' own "
                                    "values (the larger the ridge, the closer to --values copy)",
                            choices=RIDGE_TARGETS)
+    ridge_search: bool = option(False, "per head, keep whichever of the selection as it is, the fitted biases "
+                                       "with copied values, or a least-squares fit with a ridge (0 to 1) does best "
+                                       "on the context's last 256 tokens' own queries (replaces --value-bound and "
+                                       "the held-out check; not in the paper)")
+    weights: str = option("uniform", "how the fit weighs each reference query: alike (the paper's), or by the share "
+                                     "of its attention on the context rather than the attention sink (kvpack's)",
+                          flag="--fit-weights", choices=FIT_WEIGHTS)
 
     def __post_init__(self):
         super().__post_init__()
         check_choice(self.name, "selection", self.selection, SELECTIONS)
+        check_choice(self.name, "weights", self.weights, FIT_WEIGHTS)
+        check_bool(self.name, "ridge_search", self.ridge_search)
         check_choice(self.name, "values", self.values, VALUE_MODES)
         check_int(self.name, "queries", self.queries, 16)
         if self.queries > MAX_QUERIES:

@@ -1,0 +1,84 @@
+"""Attention Matching's validated value fit (kvpack's, not the paper's): each KV head takes, among a few candidate
+fits, the one whose output is closest to the full context's on queries the fit never saw.
+
+Why: the paper's plain least-squares values (arXiv 2602.16284 §3.2) extrapolate on SmolLM2 in nearly every head
+whatever the reference queries (repeat pass, self-study, sampled continuations, the context's own prefill), and
+queries from the same source cannot see it (BENCHMARKS.md, "Issue 28"). The validation queries here come from
+another source: the context's own last ``TAIL_TOKENS`` tokens, recorded in the prefill (``am_prefill``), replayed
+at their own positions with the causal mask, as the tokens that continue the context will read the cache.
+
+Candidates, for kept entries ``S`` with fitted biases ``beta`` and the fit's design ``X``, ``Y`` (``am_fit``):
+
+    selection      beta = 0, values copied (KVzip's entries as they are)
+    copy           beta fitted, values copied
+    ridge lambda   beta fitted, values argmin ||X C - Y||^2 + lambda m ||C - V_S||^2 for lambda in RIDGE_GRID
+                   (m = mean diag(X^T X); lambda = 0 is the paper's plain least squares)
+
+The error of a candidate is ``am_fit.relative_error`` of the head's output over ``[sink, context]`` (the sink
+exact), against the full context's, on the validation queries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .am_fit import least_squares, relative_error
+
+__all__ = ["TAIL_TOKENS", "RIDGE_GRID", "CANDIDATES", "causal_output", "choose_fit"]
+
+#: Context tokens at the end whose prefill queries validate the fits.
+TAIL_TOKENS = 256
+#: Ridges tried, as shares of the mean diagonal of ``X^T X``, each toward the kept entries' own values.
+RIDGE_GRID = (0.0, 1e-3, 1e-2, 1e-1, 1.0)
+#: Candidate names, in the order they are tried (a tie keeps the earlier one).
+CANDIDATES = ("selection", "copy", *(f"ridge={r:g}" for r in RIDGE_GRID))
+
+
+def causal_output(queries: torch.Tensor, query_pos: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor,
+                  values: torch.Tensor, scaling: float, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``[n, dv]`` float32: attention of ``queries`` ``[n, d]`` at positions ``query_pos`` ``[n]`` over ``keys``
+    ``[m, d]`` / ``values`` ``[m, dv]`` at ``key_pos`` ``[m]``, a key visible to a query when its position is not
+    after the query's, with an optional per-key ``bias`` ``[m]``. Every query must see at least one key."""
+    logits = (queries.float() @ keys.float().T) * scaling
+    if bias is not None:
+        logits = logits + bias.float()
+    logits = logits.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))
+    return logits.softmax(dim=-1) @ values.float()
+
+
+def choose_fit(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, sink: int, kept: torch.Tensor,
+               beta: torch.Tensor, X: torch.Tensor, Y: torch.Tensor, queries: torch.Tensor, query_pos: torch.Tensor,
+               scaling: float, limit: float = float("inf")) -> tuple[str, torch.Tensor, torch.Tensor, dict[str, float]]:
+    """The candidate (module docstring) with the lowest validation error for one KV head.
+
+    Args:
+        keys, values: ``[T, d]``, ``[T, dv]`` float32, the head's whole prefill (sink first); positions: ``[T]``.
+        sink: the sink's entries (kept exact); kept: ``[t]`` int64 indices into the context (after the sink).
+        beta: ``[t]`` fitted biases; X, Y: the fit's design ``[n, t]`` and target ``[n, dv]`` (``am_fit``).
+        queries: ``[m, d]`` validation queries at positions ``query_pos`` ``[m]``; scaling: the attention scaling.
+        limit: a fit with a value beyond ``+-limit`` (or not finite) is not a candidate (the loader's bound).
+
+    Returns:
+        ``(name, beta [t], values [t, dv], {candidate: error})``. Raises nothing of its own.
+    """
+    full = causal_output(queries, query_pos, keys, positions, values, scaling)
+    rows = torch.cat([torch.arange(sink, device=keys.device), sink + kept])
+    sink_bias = torch.zeros(sink, device=keys.device)
+    copied = values[sink + kept]
+    errors, best = {}, None
+    for name in CANDIDATES:
+        if name == "selection":
+            b, v = torch.zeros_like(beta), copied
+        elif name == "copy":
+            b, v = beta, copied
+        else:
+            ridge = float(name.split("=")[1])
+            b, v = beta, least_squares(X, Y, fallback=copied, ridge=ridge, prior=copied if ridge > 0 else None)
+            if not bool((v.abs() <= limit).all()):  # also NaN
+                continue
+        out = causal_output(queries, query_pos, keys[rows], positions[rows], torch.cat([values[:sink], v]), scaling,
+                            torch.cat([sink_bias, b]))
+        errors[name] = relative_error(full, out)
+        if best is None or errors[name] < errors[best[0]]:
+            best = (name, b, v)
+    return best[0], best[1], best[2], errors
