@@ -125,9 +125,10 @@ def load_model(name_or_path: str | os.PathLike | None = None, *, device=None, dt
             hint = "check the folder holds config.json, the weights and the tokenizer files"
         elif local_only:
             hint = ("it is not in the local Hugging Face cache and the hub is not reachable (offline); pass a "
-                    "local model folder, or run where the hub can be reached")
+                    f"local model folder, a .gguf file or a short name ({_short_names()}), or run where the hub can "
+                    "be reached")
         else:
-            hint = "pass a local model folder, or check the hub id"
+            hint = f"pass a local model folder, a .gguf file or a short name ({_short_names()}), or check the hub id"
         first = (str(exc).splitlines() or [type(exc).__name__])[0].rstrip(".")
         raise ModelLoadError(f"could not load model {str(path)!r}: {first}. Fix: {hint}") from None
     finally:
@@ -161,6 +162,11 @@ def _declared_backend(path):
     from transformers import TokenizersBackend
 
     return TokenizersBackend.from_pretrained(path, local_files_only=True)
+
+
+def _short_names() -> str:
+    """The model names ``--model`` knows without a path, for error messages: ``kvpack-reference, smollm2-135m, ...``."""
+    return ", ".join([REFERENCE_MODEL_NAME, *gguf.SHORT_NAMES])
 
 
 def model_path(name_or_path: str | os.PathLike | None) -> tuple[str | Path, bool]:
