@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import kvpack
 from kvpack import tasks
+from kvpack.bench.continuation import summarize_continuation
 from kvpack.bench.grid import Variant, build_variants, expand_grid
 from kvpack.bench.peer import baseline_agreement, export_job, peer_rows
 from kvpack.bench.qa import QAContext
@@ -102,6 +105,58 @@ def test_peer_job_and_scoring():
     full = [{"key": ctx.key, "question_index": i, "answer": a, "variant": {"name": "full"}} for i, a in
             enumerate(["a", "c"])]
     assert baseline_agreement(full + rows) == {"identical": 1, "total": 2}
+
+
+def test_peer_continuation_job_and_rows():
+    """Continuation passages go to kvpress with kvpack's exact ids; its rows are measured against its own run
+    without a press, and the set-up check sets that run beside kvpack's full cache."""
+    from kvpack.bench.continuation import ContinuationDoc
+    from kvpack.bench.peer import continuation_baseline, peer_continuation_rows
+
+    _, tok = tiny_model("llama")
+    doc = ContinuationDoc("continuation/64/d0", TEXT, (5, 6, 7, 8), 64)
+    job = export_job([], tok, "/models/m", ["kvzip"], [0.5], docs=[doc])
+    layout = chat_layout(tok)
+    assert job["items"] == [{"task": "continuation", "key": doc.key, "target_ids": [5, 6, 7, 8],
+                             "context_ids": layout.prefix_ids(tok) + layout.encode_text(tok, TEXT)}]
+    base = {"task": "continuation", "key": doc.key, "compress_s": 1.0, "kv_entries_full": 100}
+    results = {"rows": [
+        {**base, "press": "none", "ratio": 1.0, "nll": 2.0, "kl": 0.0, "top1_agreement": 1.0, "kv_entries": 100},
+        {**base, "press": "kvzip", "ratio": 0.5, "nll": 2.25, "kl": 0.1, "top1_agreement": 0.75, "kv_entries": 50},
+        {**base, "press": "snapkv", "ratio": 0.5, "error": "ValueError: x"}]}
+    rows = peer_continuation_rows(results, [doc])
+    kv = next(r for r in rows if r["variant"]["label"] == "kvpress:kvzip@0.5")
+    assert kv["delta_nll"] == 0.25 and kv["kept_fraction"] == 0.5 and kv["target_tokens"] == 3
+    assert any("error" in r for r in rows)
+    full = {"key": doc.key, "nll": 1.999, "variant": {"name": "full"}}
+    assert continuation_baseline([full, *rows]) == [{"key": doc.key, "kvpack": 1.999, "kvpress": 2.0}]
+    summary = {s["label"]: s for s in summarize_continuation([{**r, "task": "continuation"} for r in rows])}
+    assert set(summary) == {"kvpress:none@1", "kvpress:kvzip@0.5"}  # the failed press is left out
+
+
+def test_kvpress_worker_teacher_forces_after_the_context():
+    """The worker's continuation scoring (run in kvpress's environment; plain torch here): log-probabilities of the
+    target fed through the prefilled cache at positions after the context equal one forward of context + target."""
+    import importlib.util
+
+    from transformers import DynamicCache
+
+    spec = importlib.util.spec_from_file_location("kvpress_worker", Path(kvpack.bench.__file__).with_name(
+        "kvpress_worker.py"))
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    model, tok = tiny_model("llama")
+    ctx, target = tok.encode(TEXT)[:40], tok.encode(TEXT)[40:52]
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model.model(input_ids=torch.tensor([ctx]), past_key_values=cache)
+        want = torch.log_softmax(model(input_ids=torch.tensor([ctx + target[:-1]])).logits[0, len(ctx):].float(), -1)
+    got = worker._teacher_forced(model, cache, target, len(ctx))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    scores = worker._continuation_scores(got, target, got)
+    assert scores["kl"] == pytest.approx(0.0, abs=1e-6) and scores["top1_agreement"] == 1.0
+    assert scores["nll"] == pytest.approx(float(-want.gather(1, torch.tensor(target[1:])[:, None]).mean()))
+    assert worker._continuation_scores(got, target, None)["kl"] is None
 
 
 def test_quick_cli(tmp_path):

@@ -131,14 +131,16 @@ def continuation_rows(model, tokenizer, doc: ContinuationDoc, variants: list[Var
 
 def summarize_continuation(rows: list[dict]) -> list[dict]:
     """Means per variant over documents: ``[{"label", "variant", "nll", "delta_nll", "kl", "top1_agreement",
-    "n"}]`` (nats/token, nats, fraction)."""
+    "n"}]`` (nats/token, nats, fraction; ``None`` where a row has none). Rows with an ``error`` are left out."""
     groups: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
-        if r["task"] == "continuation":
+        if r["task"] == "continuation" and "error" not in r:
             groups[r["variant"]["label"]].append(r)
     out = []
     for label, rs in groups.items():
-        mean = lambda k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+        def mean(k):  # None when a row lacks it (a peer run without its reference)
+            vals = [r.get(k) for r in rs]
+            return None if any(v is None for v in vals) else sum(vals) / len(vals)
         out.append({"label": label, "variant": rs[0]["variant"], "nll": mean("nll"), "delta_nll": mean("delta_nll"),
                     "kl": mean("kl"), "top1_agreement": mean("top1_agreement"), "n": len(rs)})
     return out

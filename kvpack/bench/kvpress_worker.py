@@ -13,7 +13,10 @@ Job (written by ``kvpack.bench.peer.export_job``)::
      "items": [{"task": "needle", "key": "...", "context_ids": [...], "questions_ids": [[...], ...]}, ...]}
 
 ``context_ids`` are kvpack's own cached sequence (chat-template prefix + context) and ``questions_ids`` kvpack's
-question tokens (blank line, question, end of turn, assistant header), so both libraries see identical tokens. With ``"baseline": true`` every item is also run once without any press
+question tokens (blank line, question, end of turn, assistant header), so both libraries see identical tokens. A
+continuation item (``"task": "continuation"``) has ``target_ids`` instead of ``questions_ids``: after the prefill,
+``target_ids[:-1]`` are teacher-forced from the same cache (explicit positions after the context, as the pipeline
+feeds a question) and ``target_ids[1:]`` scored. With ``"baseline": true`` every item is also run once without any press
 (press ``"none"``, ratio 1.0): kvpress's plain path, which must answer as kvpack's full-cache reference does.
 Each (item, press, ratio) is run the way kvpress's ``KVPressTextGenerationPipeline._forward`` runs it: the context
 is prefilled with ``model.model`` inside ``with press(model):`` (kvpress's ``compression_ratio`` is the fraction
@@ -26,6 +29,11 @@ Results::
 
     {"versions": {...}, "rows": [{"task", "key", "press", "ratio", "answers": [...], "compress_s": float,
       "answer_s": [...], "kv_entries": int, "kv_entries_full": int}, ...]}
+
+A continuation row has ``nll`` (mean negative log-likelihood of ``target_ids[1:]``, nats/token), ``kl`` (mean
+KL(no press || press) of the next-token distributions, nats) and ``top1_agreement`` (share of positions whose
+argmax matches the run without a press) instead of ``answers``/``answer_s``; ``kl`` and ``top1_agreement`` are
+``None`` without ``"baseline": true`` (the run without a press comes first and is the reference).
 
 ``kv_entries``: (layer, KV head, position) entries the press left visible; ``kv_entries_full``: the same for the
 uncompressed cache. Errors: a press that raises is recorded as ``{"error": "..."}`` in its row, so one failing
@@ -70,6 +78,32 @@ def _visible_entries(model, cache) -> int:
     return total
 
 
+def _teacher_forced(model, cache, target_ids: list[int], context_length: int):
+    """``[len(target_ids) - 1, vocab]`` float32 log-probabilities of feeding ``target_ids[:-1]`` after the
+    context through ``cache`` at positions ``context_length ..`` (row ``i``: the distribution of
+    ``target_ids[i + 1]``)."""
+    import torch
+
+    x = torch.tensor([target_ids[:-1]], dtype=torch.long)
+    position_ids = torch.arange(context_length, context_length + x.shape[1]).unsqueeze(0)
+    with torch.inference_mode():
+        logits = model(input_ids=x, past_key_values=cache, position_ids=position_ids).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def _continuation_scores(logprobs, target_ids: list[int], reference) -> dict:
+    """``{"nll", "kl", "top1_agreement"}`` of ``logprobs`` (``_teacher_forced``) for ``target_ids[1:]``, KL and
+    agreement against ``reference`` (the run without a press; ``None``: both ``None``)."""
+    import torch
+
+    target = torch.tensor(target_ids[1:], dtype=torch.long)
+    out = {"nll": float(-logprobs.gather(1, target[:, None]).mean()), "kl": None, "top1_agreement": None}
+    if reference is not None:
+        out["kl"] = float((reference.exp() * (reference - logprobs)).sum(-1).mean())
+        out["top1_agreement"] = float((reference.argmax(-1) == logprobs.argmax(-1)).float().mean())
+    return out
+
+
 def run(job: dict) -> dict:
     """Run every (item, press, ratio) of ``job``; returns the results dict described in the module docstring."""
     import logging
@@ -92,6 +126,7 @@ def run(job: dict) -> dict:
         full_entries = model.config.num_hidden_layers * model.config.num_key_value_heads * ctx.shape[1]
         runs = [("none", 1.0)] if job.get("baseline") else []
         runs += [(name, kept) for name in job["presses"] for kept in job["ratios"]]
+        reference = None  # the run without a press's log-probabilities (continuation items)
         for name, kept in runs:
             row = {"task": item["task"], "key": item["key"], "press": name, "ratio": float(kept),
                    "kv_entries_full": int(full_entries)}
@@ -103,17 +138,24 @@ def run(job: dict) -> dict:
                     model.model(input_ids=ctx, past_key_values=cache)
                 row["compress_s"] = time.perf_counter() - t0
                 row["kv_entries"] = _visible_entries(model, cache)
-                answers, times = [], []
-                with torch.inference_mode():
-                    for q in item["questions_ids"]:
-                        lengths = [cache.get_seq_length(i) for i in range(len(cache))]
-                        t0 = time.perf_counter()
-                        answers.append(pipe.generate_answer(
-                            question_ids=torch.tensor([q], dtype=torch.long), cache=cache,
-                            context_length=ctx.shape[1], max_new_tokens=int(job["max_new_tokens"])))
-                        times.append(time.perf_counter() - t0)
-                        pipe._remove_answer_from_cache(cache, lengths)
-                row["answers"], row["answer_s"] = answers, times
+                if "target_ids" in item:  # continuation: teacher-forced, scored against the run without a press
+                    logprobs = _teacher_forced(model, cache, item["target_ids"], ctx.shape[1])
+                    if name == "none":
+                        reference = logprobs
+                    row.update(_continuation_scores(logprobs, item["target_ids"],
+                                                    reference if job.get("baseline") else None))
+                else:
+                    answers, times = [], []
+                    with torch.inference_mode():
+                        for q in item["questions_ids"]:
+                            lengths = [cache.get_seq_length(i) for i in range(len(cache))]
+                            t0 = time.perf_counter()
+                            answers.append(pipe.generate_answer(
+                                question_ids=torch.tensor([q], dtype=torch.long), cache=cache,
+                                context_length=ctx.shape[1], max_new_tokens=int(job["max_new_tokens"])))
+                            times.append(time.perf_counter() - t0)
+                            pipe._remove_answer_from_cache(cache, lengths)
+                    row["answers"], row["answer_s"] = answers, times
             except Exception as exc:  # noqa: BLE001 - one failing press must not lose the others
                 row["error"] = f"{type(exc).__name__}: {exc}"
                 row["traceback"] = traceback.format_exc(limit=4)

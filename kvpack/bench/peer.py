@@ -28,7 +28,8 @@ from .. import tasks
 from .qa import QAContext
 
 __all__ = ["PEER_PRESSES", "KVPRESS_REQUIREMENT", "DEFAULT_VENV", "PeerError", "ensure_kvpress_venv", "export_job",
-           "run_kvpress", "peer_rows", "baseline_agreement", "model_folder"]
+           "run_kvpress", "peer_rows", "peer_continuation_rows", "continuation_baseline", "baseline_agreement",
+           "model_folder"]
 
 #: kvpress presses the benchmark runs by default.
 PEER_PRESSES = ("kvzip", "snapkv", "streaming")
@@ -110,12 +111,15 @@ def model_folder(model: str | None) -> Path:
 
 
 def export_job(contexts: list[QAContext], tokenizer, model_dir: str | os.PathLike, presses: list[str],
-               ratios: list[float], *, max_new_tokens: int = tasks.ANSWER_MAX_NEW_TOKENS, threads: int = 1) -> dict:
-    """The worker's job: kvpack's exact token ids for every context (prefix + context) and question.
+               ratios: list[float], *, max_new_tokens: int = tasks.ANSWER_MAX_NEW_TOKENS, threads: int = 1,
+               docs: list | tuple = ()) -> dict:
+    """The worker's job: kvpack's exact token ids for every context (prefix + context) and question, and for every
+    continuation passage (``docs``: ``kvpack.bench.continuation.ContinuationDoc``) its context and target ids.
 
     Ratios of 1.0 are dropped (kvpress would compress nothing); instead every context is also run once through
     kvpress's path without a press (``baseline``: the ``kvpress:none`` rows), whose answers must equal kvpack's
-    full-cache reference (``baseline_agreement``).
+    full-cache reference (``baseline_agreement``) and whose continuation log-probabilities are the reference of
+    kvpress's own ΔNLL, KL and top-1 agreement (``peer_continuation_rows``).
     """
     layout = chat_layout(tokenizer)
     items = []
@@ -123,6 +127,10 @@ def export_job(contexts: list[QAContext], tokenizer, model_dir: str | os.PathLik
         items.append({"task": ctx.task, "key": ctx.key,
                       "context_ids": layout.prefix_ids(tokenizer) + layout.encode_text(tokenizer, ctx.text),
                       "questions_ids": [layout.question_ids(tokenizer, q) for q in ctx.questions]})
+    for doc in docs:  # the same ids as kvpack.bench.continuation.fullcache_logprobs feeds
+        items.append({"task": "continuation", "key": doc.key,
+                      "context_ids": layout.prefix_ids(tokenizer) + layout.encode_text(tokenizer, doc.text),
+                      "target_ids": list(doc.target_ids)})
     return {"model": str(model_dir), "max_new_tokens": int(max_new_tokens), "threads": int(threads), "baseline": True,
             "presses": list(presses), "ratios": [float(r) for r in ratios if r < 1.0], "items": items}
 
@@ -186,6 +194,42 @@ def peer_rows(results: dict, contexts: list[QAContext]) -> list[dict]:
                          "build_s": r["compress_s"], "kept_fraction": kept, "file_bytes": None,
                          "bytes_per_token": None})
     return rows
+
+
+def peer_continuation_rows(results: dict, docs: list) -> list[dict]:
+    """Continuation rows like ``kvpack.bench.continuation.continuation_rows``'s for kvpress's presses on ``docs``:
+    ``nll`` (nats/token), ``delta_nll`` against kvpress's own run without a press on the same passage (``nll`` minus
+    that run's), ``kl`` and ``top1_agreement`` against that run, ``build_s`` (kvpress's prefill with the press) and
+    ``kept_fraction``; the variant is ``kvpress:<press>`` at the kept ratio. The run without a press is the row
+    ``kvpress:none`` (ratio 1, ΔNLL 0). Rows whose press failed carry ``error``."""
+    by_key = {d.key: d for d in docs}
+    got = [r for r in results.get("rows", []) if r.get("task") == "continuation" and r.get("key") in by_key]
+    base = {r["key"]: r["nll"] for r in got if r["press"] == "none" and "nll" in r}
+    rows = []
+    for r in got:
+        doc = by_key[r["key"]]
+        name = f"kvpress:{r['press']}"
+        variant = {"method": name, "name": name, "ratio": r["ratio"], "quant": "none", "query_aware": False,
+                   "label": f"{name}@{r['ratio']:g}"}
+        row = {"task": "continuation", "key": doc.key, "length": doc.length, "target_tokens": len(doc.target_ids) - 1,
+               "variant": variant}
+        if "error" in r or "nll" not in r or r["key"] not in base:
+            rows.append({**row, "error": r.get("error", "no run without a press to compare with")})
+            continue
+        rows.append({**row, "nll": r["nll"], "delta_nll": r["nll"] - base[r["key"]], "kl": r["kl"],
+                     "top1_agreement": r["top1_agreement"], "build_s": r["compress_s"],
+                     "kept_fraction": r["kv_entries"] / max(1, r["kv_entries_full"]), "file_bytes": None,
+                     "bytes_per_token": None})
+    return rows
+
+
+def continuation_baseline(rows: list[dict]) -> list[dict]:
+    """The continuation set-up check: per passage, kvpack's full-cache NLL (row ``full``) beside kvpress's without a
+    press (``kvpress:none``): ``[{"key", "kvpack", "kvpress"}]`` (nats/token). Both run the same model on the same
+    token ids in different transformers releases, so they should agree to float32 rounding."""
+    full = {r["key"]: r["nll"] for r in rows if r.get("variant", {}).get("name") == "full" and "nll" in r}
+    return [{"key": r["key"], "kvpack": full.get(r["key"]), "kvpress": r["nll"]} for r in rows
+            if r.get("variant", {}).get("name") == "kvpress:none" and "nll" in r]
 
 
 def baseline_agreement(rows: list[dict]) -> dict:

@@ -121,8 +121,8 @@ def markdown(results: dict) -> str:
                   f"{cfg['cont_docs']} held-out passage(s): context = first {cfg['cont_length']} tokens, target = "
                   f"the next {cfg['cont_target']} tokens, teacher-forced. ΔNLL = NLL(compressed) - NLL(full), "
                   "nats/token; KL = mean KL(full || compressed) of the next-token distributions, nats.", ""]
-        rows = [_variant_cells(s["variant"]) + [f"{s['nll']:.3f}", f"{s['delta_nll']:+.3f}", f"{s['kl']:.3f}",
-                                                 _pct(s["top1_agreement"])]
+        rows = [_variant_cells(s["variant"]) + [_num(s["nll"], "{:.3f}"), _num(s["delta_nll"], "{:+.3f}"),
+                                                 _num(s["kl"], "{:.3f}"), _pct(s["top1_agreement"])]
                 for s in ordered(cont["summary"], methods)]
         lines += [_table(["method", "ratio", "quant", "NLL", "ΔNLL/token", "KL", "top-1 agreement"], rows), ""]
     sp = results.get("speed")
@@ -177,6 +177,11 @@ def markdown(results: dict) -> str:
             if agree.get("total"):
                 lines += ["", f"Set-up check: `kvpress:none` answered exactly as kvpack's `full` on "
                               f"{agree['identical']} of {agree['total']} questions."]
+            checks = [c for c in peer.get("continuation_baseline") or [] if c.get("kvpack") is not None]
+            if checks:
+                lines += ["", "Continuation: kvpress's rows are measured against kvpress's own run without a press "
+                              "(`kvpress:none`); set-up check, NLL of kvpack's `full` / `kvpress:none`: "
+                              + "; ".join(f"{c['key']} {c['kvpack']:.4f} / {c['kvpress']:.4f}" for c in checks) + "."]
             if peer.get("errors"):
                 lines += ["", "kvpress errors: " + "; ".join(peer["errors"])]
             lines += [""]

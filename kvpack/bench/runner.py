@@ -206,6 +206,8 @@ def _estimate_reference_seconds(cfg: BenchConfig) -> dict[str, float]:
             peer += sum(per(l, 1) for l in cfg.lengths) * len(cfg.depths) * cfg.trials
         if "multiquery" in cfg.tasks:
             peer += per(cfg.mq_length, cfg.mq_facts) * cfg.mq_contexts
+        if "continuation" in cfg.tasks:  # a teacher-forced pass costs about one answer
+            peer += per(cfg.cont_length, 1) * cfg.cont_docs
         est["peer"] = peer
     est["total"] = sum(est.values()) + 6.0
     return est
@@ -293,7 +295,7 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path = "bench-out", *, command: s
     kw = dict(chunk_size=cfg.chunk_size, group_size=cfg.group_size, zstd_level=cfg.zstd_level)
     timings: dict[str, float] = {}
     failures: dict[str, str] = {}  # task -> why it failed; the other tasks still run
-    qa_contexts = []
+    qa_contexts, cont_docs = [], []
     with tempfile.TemporaryDirectory(prefix="kvpack-bench-") as tmp:
         if "needle" in cfg.tasks:
             with _task(failures, "needle", log):
@@ -323,7 +325,8 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path = "bench-out", *, command: s
         if "continuation" in cfg.tasks and cfg.cont_docs:
             with _task(failures, "continuation", log):
                 t0 = time.perf_counter()
-                docs = continuation_docs(tok, cfg.cont_length, cfg.cont_docs, cfg.cont_target, cfg.seed)
+                docs = cont_docs = continuation_docs(tok, cfg.cont_length, cfg.cont_docs, cfg.cont_target,
+                                                     cfg.seed)
                 rows = []
                 for i, doc in enumerate(docs, 1):
                     rows += continuation_rows(model, tok, doc, cfg.variants(), tmp, **kw)
@@ -354,22 +357,31 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path = "bench-out", *, command: s
                     failures["memory"] = "; ".join(bad)
                 progress.step("memory", 1, 1, ", ".join(str(n) for n in cfg.memory_lengths))
                 timings["memory"] = time.perf_counter() - t0
-        if cfg.peer == "kvpress" and qa_contexts:
+        if cfg.peer == "kvpress" and (qa_contexts or cont_docs):
             with _task(failures, "peer", log):
-                from .peer import baseline_agreement, export_job, model_folder, peer_rows, run_kvpress
+                from .peer import (baseline_agreement, continuation_baseline, export_job, model_folder,
+                                   peer_continuation_rows, peer_rows, run_kvpress)
 
                 t0 = time.perf_counter()
                 job = export_job(qa_contexts, tok, model_folder(cfg.model), cfg.peer_presses, cfg.ratios,
-                                 max_new_tokens=cfg.max_new_tokens, threads=cfg.threads or torch.get_num_threads())
+                                 max_new_tokens=cfg.max_new_tokens, threads=cfg.threads or torch.get_num_threads(),
+                                 docs=cont_docs)
                 out = run_kvpress(job, peer_python, tmp, log=log)
                 rows = peer_rows(out, qa_contexts)
                 for task in ("needle", "multiquery"):
                     if task in results:
                         results[task]["rows"] += [r for r in rows if r["task"] == task]
+                cont_rows = peer_continuation_rows(out, cont_docs)
+                rows += cont_rows
+                if "continuation" in results:
+                    results["continuation"]["rows"] += cont_rows
+                    results["continuation"]["summary"] = summarize_continuation(results["continuation"]["rows"])
                 qa_rows = [r for t in ("needle", "multiquery") for r in results.get(t, {}).get("rows", [])]
                 results["peer"] = {"name": "kvpress", "versions": out.get("versions", {}),
                                    "presses": cfg.peer_presses, "seconds": out.get("seconds"),
                                    "baseline_agreement": baseline_agreement(qa_rows),
+                                   "continuation_baseline": continuation_baseline(
+                                       results.get("continuation", {}).get("rows", [])),
                                    "errors": sorted({r["error"] for r in rows if "error" in r})}
                 progress.step("peer", 1, 1, "kvpress")
                 timings["peer"] = time.perf_counter() - t0
