@@ -14,7 +14,7 @@ from .. import constants as C
 from ..pack import LayerEntries
 from ..prefill import Prefill
 from .am_fit import attention_output, fit_head, relative_error, rms_attention
-from .am_validate import choose_fit
+from .am_validate import TAIL_TOKENS, choose_fit
 from .base import top_k_rows
 from .budgets import protect_recent, split
 from .d2o import D2O, merge_plan, merge_rows
@@ -189,6 +189,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     def __post_init__(self):
         super().__post_init__()
         self._reservoirs: list[QueryReservoir] | None = None
+        self._rerecorded = None  # (prefill, PrefillQueries) made by _prefill_queries for a prefill without them
         self._schedule = self._schedule_sha256 = None
         if self.schedule is not None:
             from .. import storage
@@ -211,7 +212,6 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         if self.reference not in PREFILL_REFERENCES and not self.ridge_search:
             return None
         from .am_prefill import PrefillQueries
-        from .am_validate import TAIL_TOKENS
 
         reservoirs = ([QueryReservoir(spec.num_kv_heads, self.queries) for _ in spec.compressed_layers]
                       if self.reference in PREFILL_REFERENCES else None)
@@ -244,13 +244,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                 for mine, theirs in zip(self._reservoirs, studied):
                     mine.parts.extend(theirs.parts)
         elif self.reference in PREFILL_REFERENCES:
-            from .am_prefill import PrefillQueries, record_prefill_queries
-
-            if isinstance(prefill.stats, PrefillQueries) and prefill.stats.reservoirs is not None:
-                recorded = prefill.stats.reservoirs  # recorded as the prefill ran (``recorder``)
-            else:  # a prefill made without this method's recorder: the same tokens again, recorded
-                recorded = record_prefill_queries(model, prefill, self.chunk_size,
-                                                  self._new_reservoirs(prefill)).reservoirs
+            recorded = self._prefill_queries(model, prefill).reservoirs
             if self.reference == "prefill":
                 self._reservoirs = recorded
             else:  # prefill+repeat: one pool, subsampled to ``queries`` by ``QueryReservoir.split``
@@ -267,14 +261,26 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                 for mine, theirs in zip(self._reservoirs, sampled):
                     mine.parts.extend(theirs.parts)
         if self.ridge_search:
-            from .am_prefill import PrefillQueries, record_prefill_queries
-            from .am_validate import TAIL_TOKENS
-
-            rec = prefill.stats
-            if not isinstance(rec, PrefillQueries) or rec.tail_queries is None:
-                rec = record_prefill_queries(model, prefill, self.chunk_size, tail=TAIL_TOKENS)
+            rec = self._prefill_queries(model, prefill)
             self._validation = (rec.tail_queries, rec.tail_start, rec.scaling)
         return scores
+
+    def _prefill_queries(self, model, prefill: Prefill):
+        """The ``PrefillQueries`` with what this method records (``recorder``): ``prefill.stats`` when the prefill
+        ran with such a recorder, else one made by prefilling the same tokens again, once per prefill."""
+        from .am_prefill import PrefillQueries, record_prefill_queries
+
+        rec = prefill.stats
+        needs_pool, needs_tail = self.reference in PREFILL_REFERENCES, TAIL_TOKENS if self.ridge_search else 0
+        if isinstance(rec, PrefillQueries) and (rec.reservoirs is not None or not needs_pool) and \
+                rec.tail >= needs_tail:
+            return rec
+        cached = self._rerecorded
+        if cached is None or cached[0] is not prefill:
+            want = self.recorder(prefill.spec, prefill.tokens, "cpu")
+            cached = prefill, record_prefill_queries(model, prefill, self.chunk_size, want.reservoirs, want.tail)
+            self._rerecorded = cached
+        return cached[1]
 
     def _validation_queries(self, prefill: Prefill, i: int, h: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         """KV head ``h`` of compressed layer ``i``: its GQA group's validation queries ``[group x n, d]``, their
@@ -382,7 +388,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                                shift=self.shift, ridge=self.ridge, ridge_to=self.ridge_to,
                                weights=self.weights, sink_keys=keys[h, :sink],
                                keep_design=self.ridge_search and self.values == "fit")
-                new_values = fit.values
+                new_values, beta = fit.values, fit.beta
                 if fit.design is not None:  # ridge_search: the candidate best on the validation queries
                     vq, vpos, vscale = self._validation_queries(prefill, i, h)
                     name, beta, new_values, _ = choose_fit(
@@ -392,39 +398,30 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                     if name == "selection":
                         rejected += 1
                         continue  # KVzip's entries as they are
-                    rows = slice(offsets[h] + sink, offsets[h] + sink + len(kept))
-                    entries.values[rows] = new_values.to(entries.values.dtype).cpu()
-                    biases[rows] = beta.cpu()
-                    ms.append(fit.mass_error)
-                    if n_held:
-                        e_fit, e_sel = _held_out_errors(keys[h], values[h], held_q[h], sink, kept, beta,
-                                                        new_values.to(keys.device), scaling)
-                        err.append(e_fit)
-                        base.append(e_sel)
-                    continue
-                if self.values == "merge" and len(kept) < k_ctx.shape[0]:
-                    evicted = (~keep[i, h]).nonzero().squeeze(1).to(keys.device)
-                    merged, target, w = merge_plan(k_ctx[kept].cpu(), k_ctx[evicted].cpu(), D2O.beta)
-                    new_values = merge_rows(v_ctx[kept].cpu(), v_ctx[evicted].cpu()[merged], target, w)
-                if not bool((new_values.abs() <= C.MAX_KV_ABS).all()):  # also NaN: a value the loader refuses
-                    rejected += 1
-                    continue  # an ill-conditioned fit: the head stays as KVzip selected it
-                if self.value_bound > 0 and float(new_values.abs().max()) > self.value_bound * float(
-                        v_ctx.abs().max()):
-                    rejected += 1
-                    continue  # values far outside the context's own: an extrapolating fit
+                else:
+                    if self.values == "merge" and len(kept) < k_ctx.shape[0]:
+                        evicted = (~keep[i, h]).nonzero().squeeze(1).to(keys.device)
+                        merged, target, w = merge_plan(k_ctx[kept].cpu(), k_ctx[evicted].cpu(), D2O.beta)
+                        new_values = merge_rows(v_ctx[kept].cpu(), v_ctx[evicted].cpu()[merged], target, w)
+                    if not bool((new_values.abs() <= C.MAX_KV_ABS).all()):  # also NaN: a value the loader refuses
+                        rejected += 1
+                        continue  # an ill-conditioned fit: the head stays as KVzip selected it
+                    if self.value_bound > 0 and float(new_values.abs().max()) > self.value_bound * float(
+                            v_ctx.abs().max()):
+                        rejected += 1
+                        continue  # values far outside the context's own: an extrapolating fit
                 if n_held:
-                    e_fit, e_sel = _held_out_errors(keys[h], values[h], held_q[h], sink, kept, fit.beta,
+                    e_fit, e_sel = _held_out_errors(keys[h], values[h], held_q[h], sink, kept, beta,
                                                     new_values.to(keys.device), scaling)
                     base.append(e_sel)
-                    if self.held_out_check and e_fit > e_sel:
+                    if fit.design is None and self.held_out_check and e_fit > e_sel:
                         rejected += 1
                         err.append(e_sel)
                         continue  # the fit is worse than the selection alone on held-out queries
                     err.append(e_fit)
                 rows = slice(offsets[h] + sink, offsets[h] + sink + len(kept))
                 entries.values[rows] = new_values.to(entries.values.dtype).cpu()
-                biases[rows] = fit.beta.cpu()
+                biases[rows] = beta.cpu()
                 ms.append(fit.mass_error)
             entries.biases = biases
             errors.append(_mean(err))

@@ -34,8 +34,8 @@ import torch
 from ..attention_math import flash_folded
 from .params import FIT_WEIGHTS, RIDGE_TARGETS
 
-__all__ = ["BETA_RANGE", "NNLS_ITERS", "RIDGE", "RIDGE_STEPS", "nnls_box", "least_squares",
-           "HeadFit", "fit_head", "context_share", "context_attention", "attention_output", "relative_error", "rms_attention"]
+__all__ = ["BETA_RANGE", "NNLS_ITERS", "RIDGE", "RIDGE_STEPS", "nnls_box", "least_squares", "HeadFit", "fit_head",
+           "context_share", "context_attention", "attention_output", "relative_error", "rms_attention"]
 
 #: beta = log w is clamped to this range (the paper's configuration: w in [e^-3, e^3]).
 BETA_RANGE = (-3.0, 3.0)

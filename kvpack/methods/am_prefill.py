@@ -39,14 +39,15 @@ class PrefillQueries(AttentionRecorder):
     Attributes (after the prefill):
         tail_queries: per compressed layer ``[heads, n, head_dim]`` float32 on CPU, positions ``tail_start ..
             tokens - 1`` (``n = tokens - tail_start``), or ``None`` without ``tail``.
-        tail_start: the first position in ``tail_queries``; scaling: the attention scaling the layers reported.
+        tail: as given; tail_start: the first position in ``tail_queries``; scaling: the attention scaling the
+            layers reported.
     """
 
     def __init__(self, spec: ModelSpec, tokens: int, reservoirs: list | None = None, tail: int = 0,
                  device: torch.device | str = "cpu"):
         super().__init__(spec, tokens, device=device)
-        self.reservoirs = reservoirs
-        self.tail_start = max(0, self.tokens - int(tail))
+        self.reservoirs, self.tail = reservoirs, int(tail)
+        self.tail_start = max(0, self.tokens - self.tail)
         self._tail_parts = [[] for _ in spec.compressed_layers] if tail > 0 else None
         self.scaling: float | None = None
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ..attention import masked_attention
 from .am_fit import least_squares, relative_error
 
 __all__ = ["TAIL_TOKENS", "RIDGE_GRID", "CANDIDATES", "causal_output", "choose_fit"]
@@ -38,12 +39,12 @@ def causal_output(queries: torch.Tensor, query_pos: torch.Tensor, keys: torch.Te
                   values: torch.Tensor, scaling: float, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``[n, dv]`` float32: attention of ``queries`` ``[n, d]`` at positions ``query_pos`` ``[n]`` over ``keys``
     ``[m, d]`` / ``values`` ``[m, dv]`` at ``key_pos`` ``[m]``, a key visible to a query when its position is not
-    after the query's, with an optional per-key ``bias`` ``[m]``. Every query must see at least one key."""
-    logits = (queries.float() @ keys.float().T) * scaling
-    if bias is not None:
-        logits = logits + bias.float()
-    logits = logits.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))
-    return logits.softmax(dim=-1) @ values.float()
+    after the query's, with an optional per-key ``bias`` ``[m]``. Every query must see at least one key. The masked
+    attention of the loaded cache (``kvpack.attention.masked_attention``) with one KV head."""
+    visible = (key_pos[None, :] <= query_pos[:, None])[None]  # [1 KV head, n, m]
+    out = masked_attention(queries.float()[None, None], keys.float()[None, None], values.float()[None, None], visible,
+                           scaling, bias=None if bias is None else bias.float()[None])
+    return out[0, :, 0]  # [1, n, 1 head, dv] -> [n, dv]
 
 
 def choose_fit(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, sink: int, kept: torch.Tensor,
