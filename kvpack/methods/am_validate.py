@@ -40,7 +40,8 @@ def causal_output(queries: torch.Tensor, query_pos: torch.Tensor, keys: torch.Te
     """``[n, dv]`` float32: attention of ``queries`` ``[n, d]`` at positions ``query_pos`` ``[n]`` over ``keys``
     ``[m, d]`` / ``values`` ``[m, dv]`` at ``key_pos`` ``[m]``, a key visible to a query when its position is not
     after the query's, with an optional per-key ``bias`` ``[m]``. Every query must see at least one key. The masked
-    attention of the loaded cache (``kvpack.attention.masked_attention``) with one KV head."""
+    attention of the loaded cache (``kvpack.attention.masked_attention``) with one KV head. Raises nothing of its
+    own."""
     visible = (key_pos[None, :] <= query_pos[:, None])[None]  # [1 KV head, n, m]
     out = masked_attention(queries.float()[None, None], keys.float()[None, None], values.float()[None, None], visible,
                            scaling, bias=None if bias is None else bias.float()[None])
