@@ -19,7 +19,7 @@ from kvpack.generation import question_input_ids
 from kvpack.methods import get_method
 from kvpack.methods.am import QueryReservoir
 from kvpack.methods.am_fit import (attention_output, context_attention, context_share, fit_head, least_squares,
-                                   nnls_box, rms_attention)
+                                   max_attention, nnls_box, rms_attention)
 from kvpack.layout import chat_layout
 from kvpack.model import model_spec
 from kvpack.prefill import prefill
@@ -164,6 +164,18 @@ def test_rms_attention_is_the_root_mean_square_of_the_softmax_over_queries():
     assert got.shape == (70,) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-5)
     assert int(got.argmax()) == int(want.argmax())
+
+
+def test_max_attention_is_the_largest_softmax_probability_over_queries():
+    """``score_queries="reference"``'s scores: KVzip's rule, max over queries of softmax(scaling Q K^T), against
+    float64; not the RMS (a key one query attends to sharply outranks one many attend to mildly)."""
+    gen = torch.Generator().manual_seed(8)
+    Q, K = torch.randn(40, 16, generator=gen) * 3, torch.randn(70, 16, generator=gen)
+    want = ((Q.double() @ K.double().T) * 0.4).softmax(-1).amax(0)
+    got = max_attention(Q, K, 0.4)
+    assert got.shape == (70,) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(got, rms_attention(Q, K, 0.4), atol=1e-3)
 
 
 def test_context_share_is_the_contexts_probability_mass_beside_the_sink():
@@ -510,9 +522,85 @@ def test_on_policy_queries_are_the_repeat_pass_queries_once_earlier_layers_are_c
     assert moved.shape == off.shape and not torch.allclose(moved, off, atol=1e-3)
 
 
-def test_on_policy_needs_the_repeat_reference():
-    with pytest.raises(InputError, match="on-policy"):
-        get_method("am", on_policy=True, reference="both")
+def test_on_policy_refuses_the_prefills_own_queries():
+    for reference in ("prefill", "prefill+repeat"):
+        with pytest.raises(InputError, match="on-policy"):
+            get_method("am", on_policy=True, reference=reference)
+
+
+def test_replayed_queries_are_the_sources_own_until_earlier_layers_are_compacted():
+    """On-policy self-continuations (``reference="continue"``, ``on_policy``): the fed sequences replayed with
+    nothing compacted give exactly the sampled queries of layer 0, and of layer 1 while layer 0 keeps every entry;
+    with layer 0 compacted, layer 1's queries move (the replay reads the compacted layer)."""
+    from kvpack.methods.am_policy import replayed_queries
+
+    full, pools, scorer = _reference_pools("llama", reference="continue", continue_tokens=23, on_policy=True)
+    assert sum(len(s) for s in scorer._sequences) == 23
+    model, _ = tiny_model("llama")
+    kv, group = full.spec.num_kv_heads, full.spec.num_heads // full.spec.num_kv_heads
+
+    def replay(layers, i):  # one part per sequence, rows (query head, position): to the decode's (position, head)
+        parts = replayed_queries(model, full, layers, i, scorer._sequences, QueryReservoir(kv, 100_000)).parts
+        return torch.cat([p.view(kv, group, -1, p.shape[-1]).transpose(1, 2).reshape(kv, -1, p.shape[-1])
+                          for p in parts], dim=1)
+
+    for i, layers in ((0, [None, None]), (1, [_whole_layer(full, 0), None])):
+        torch.testing.assert_close(replay(layers, i), torch.cat(scorer._reservoirs[i].parts, dim=1), rtol=1e-5,
+                                   atol=1e-5)
+    moved = replay([_whole_layer(full, 0, drop_every=3), None], 1)
+    assert moved.shape[1] == pools[1] and not torch.allclose(moved, torch.cat(scorer._reservoirs[1].parts, 1),
+                                                             atol=1e-3)
+
+
+def test_self_study_records_the_sequences_it_fed():
+    """Self-study's fed sequences (prompt, then the answer tokens fed) hold one row of queries per token and query
+    head: as many as the reservoirs recorded, batched or one prompt at a time."""
+    from kvpack.methods.am_selfstudy import self_study_queries
+
+    full, pools, scorer = _reference_pools("llama", reference="self-study", self_study_tokens=4, on_policy=True)
+    group = full.spec.num_heads // full.spec.num_kv_heads
+    assert len(scorer._sequences) == 4 and pools[0] == group * sum(len(s) for s in scorer._sequences)
+    model, tok = tiny_model("llama")
+    one_by_one: list = []
+    self_study_queries(model, tok, full, scorer._new_reservoirs(full), 4, batched_off=True, fed=one_by_one)
+    assert one_by_one == scorer._sequences
+
+
+def test_on_policy_self_study_builds_a_pack_that_generates(tmp_path):
+    """The paper's headline source with on-policy queries (``self-study+repeat``, ``on_policy``): a pack that
+    loads and generates, every head fitted or counted."""
+    model, tok, pack = _build("llama", reference="self-study+repeat", self_study_tokens=3, on_policy=True)
+    fit = pack.metadata["stats"]["fit"]
+    assert fit["queries"] > 0 and pack.metadata["method_params"]["on_policy"] is True
+    path = tmp_path / "p.kvpack"
+    kvpack.save(pack, path)
+    assert isinstance(kvpack.generate(model, tok, kvpack.load(path, model, tokenizer=tok), "Who?", max_new_tokens=3),
+                      str)
+
+
+def test_score_queries_reference_scores_by_the_reference_queries_without_the_repeat_pass(monkeypatch):
+    """``score_queries="reference"`` with sampled continuations: KVzip's repeat pass does not run, and the scores are
+    each entry's largest attention over the fit queries (``max_attention``), which then drive the split."""
+    from kvpack.methods.kvzip import KVzip
+
+    def no_repeat_pass(*args, **kwargs):
+        raise AssertionError("the repeat pass ran")
+
+    monkeypatch.setattr(KVzip, "score", no_repeat_pass)
+    model, tok = tiny_model("llama")
+    spec, layout = model_spec(model), chat_layout(tok)
+    prefix = layout.prefix_ids(tok)
+    full = prefill(model, prefix + layout.encode(tok, TEXT), len(prefix), layout, spec, 40)
+    scorer = get_method("am", chunk_size=40, reference="continue", continue_tokens=30, score_queries="reference")
+    scores = scorer.score(model, tok, full)
+    assert scores.shape == (len(spec.compressed_layers), spec.num_kv_heads, full.context_tokens)
+    fit, _, scaling = scorer._reference(1)
+    keys = full.keys[spec.compressed_layers[1]][:, full.sink:]
+    torch.testing.assert_close(scores[1, 0], max_attention(fit[0], keys[0], scaling))
+    keep = scorer.select(scores, 0.3, full)
+    assert int(keep.sum()) == round(0.3 * scores.numel())
+    with pytest.raises(AssertionError, match="repeat pass"):  # the repeat source still needs it
+        get_method("am", chunk_size=40, score_queries="reference").score(model, tok, full)
 
 
 def test_merge_values_changes_values_only():

@@ -195,6 +195,22 @@ def per_token_nll(model, pack, target_ids) -> torch.Tensor:
     return -lp.gather(1, torch.tensor(list(target_ids[1:]))[:, None])[:, 0]
 
 
+def summary_table(rows: list[dict]) -> str:
+    """A markdown table of ``rows`` (``main``'s): per keep ratio and variant, each passage's ΔNLL (nats/token), their
+    sum, and that sum as a multiple of KVzip's at the same ratio (the issue's measure: ≤ 0.5x at keep 0.1)."""
+    docs = sorted({r["doc"] for r in rows})
+    cells = {(r["ratio"], r["variant"], r["doc"]): r["delta_nll"] for r in rows}
+    lines = ["| keep | variant | " + " | ".join(d.rsplit("/", 1)[-1] for d in docs) + " | sum | / KVzip's |",
+             "|---|---|" + "---:|" * (len(docs) + 2)]
+    for ratio in sorted({r["ratio"] for r in rows}, reverse=True):
+        kvzip = sum(cells.get((ratio, "kvzip", d), float("nan")) for d in docs)
+        for variant in dict.fromkeys(r["variant"] for r in rows):
+            got = [cells.get((ratio, variant, d), float("nan")) for d in docs]
+            lines.append(f"| {ratio} | {variant} | " + " | ".join(f"{x:+.3f}" for x in got)
+                         + f" | {sum(got):+.3f} | {sum(got) / kvzip:.2f}x |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -210,7 +226,11 @@ def main() -> None:
     ap.add_argument("--target-tokens", type=int, default=256, help="continuation tokens of each passage (the bench's: 256)")
     ap.add_argument("--sampled-tokens", type=int, default=256, help="tokens of 'sampled', 'greedy' and 'tail' (the context's last ones)")
     ap.add_argument("--out", default="runs/am_oracle.json")
+    ap.add_argument("--summary", metavar="JSON", help="print the table of an earlier run's --out file and exit")
     args = ap.parse_args()
+    if args.summary:
+        print(summary_table(json.loads(Path(args.summary).read_text())["rows"]))
+        return
     ratios, variants = [float(r) for r in args.ratios.split(",")], args.variants.split(",")
     for v in variants:
         parts = v.split(":")
@@ -308,6 +328,7 @@ def main() -> None:
         print(json.dumps({"doc": doc.key, "seconds": time.perf_counter() - t0}), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
+    print(summary_table(results["rows"]))
 
 
 if __name__ == "__main__":

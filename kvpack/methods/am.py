@@ -13,7 +13,7 @@ import torch
 from .. import constants as C
 from ..pack import LayerEntries
 from ..prefill import Prefill
-from .am_fit import attention_output, fit_head, relative_error, rms_attention
+from .am_fit import attention_output, fit_head, max_attention, relative_error, rms_attention
 from .am_validate import TAIL_TOKENS, choose_fit
 from .base import top_k_rows
 from .budgets import protect_recent, split
@@ -27,6 +27,11 @@ __all__ = ["AttentionMatching", "QueryReservoir", "HELD_OUT", "PREFILL_REFERENCE
 HELD_OUT = 256
 #: The ``reference`` sources that read the context's own prefill queries (``kvpack.methods.am_prefill``).
 PREFILL_REFERENCES = ("prefill", "prefill+repeat")
+#: The ``reference`` sources that pool KVzip's repeat pass's queries with another source's.
+REFERENCES_WITH_REPEAT = ("repeat", "both", "self-study+repeat", "prefill+repeat")
+#: The ``reference`` sources that take no query from KVzip's repeat pass (with ``score_queries="reference"`` the
+#: pass is skipped).
+REFERENCES_WITHOUT_REPEAT = ("continue", "self-study", "prefill")
 #: Seed of the deterministic query subsampling.
 QUERY_SEED = 0
 #: A head is fitted only when its fit queries outnumber its kept entries this many times (least squares needs
@@ -116,6 +121,11 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     (``selection="kvzip"``), the highest RMS attention over the reference queries (``"rms"``, the paper code's
     ``score_method="rms"``) or OMP (``"omp"``, the paper's AM-OMP, ``kvpack.methods.am_omp``).
 
+    ``score_queries="reference"`` scores the entries for the split and the kept keys by KVzip's rule (each entry's
+    largest attention within the context) over the reference queries instead of the repeat pass's
+    (``max_attention``; kvpack's, not the paper's); with a source that has no repeat queries (``continue``,
+    ``self-study``, ``prefill``) KVzip's repeat pass is then skipped.
+
     Fit (``kvpack.methods.am_fit.fit_head``), on the context entries of each head (the attention sink, the template
     prefix, stays exact: beta = 0, values copied): beta by mass matching (box NNLS, beta in ``am_fit.BETA_RANGE``),
     values by least squares in float32 (``values="fit"``), the selected values as they are (``"copy"``: beta only),
@@ -123,8 +133,10 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     untouched (``"merge"``, arXiv 2406.13035 §3, with D2O's EMA threshold weight). The model's own attention
     scaling is used.
 
-    ``on_policy``: layer ``l``'s reference queries are recomputed by a repeat pass in which the compressed layers
-    before ``l`` are already compacted (§3.3, on-policy queries); one extra repeat pass per compressed layer.
+    ``on_policy``: layer ``l``'s reference queries are recomputed with the compressed layers before ``l`` already
+    compacted (§3.3, on-policy queries): the repeat pass run again (one extra repeat pass per compressed layer) and
+    the self-study answers or sampled continuations replayed (one forward call per sequence and layer), as the
+    reference has them; not with the prefill's own queries.
 
     Failed fits: the values' least squares always returns a fit (``am_fit.least_squares``: Cholesky of the
     normal equations, then the same with the smallest ridge ``1e-6 x 10^k x mean(diag)`` that factorises, then the
@@ -189,6 +201,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     def __post_init__(self):
         super().__post_init__()
         self._reservoirs: list[QueryReservoir] | None = None
+        self._sequences = None  # on_policy: the token sequences the reference source fed (replayed per layer)
         self._rerecorded = None  # (prefill, PrefillQueries) made by _prefill_queries for a prefill without them
         self._schedule = self._schedule_sha256 = None
         if self.schedule is not None:
@@ -232,12 +245,15 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             check_schedule(self._schedule, model, tokenizer, path=f"schedule file {self.schedule}")
         self._reservoirs = self._new_reservoirs(prefill)
         self._model, self._tokenizer = model, tokenizer
-        scores = super().score(model, tokenizer, prefill, progress)
+        # KVzip's repeat pass records the repeat queries and scores the entries: not needed when neither is used
+        repeat_unused = self.score_queries == "reference" and self.reference in REFERENCES_WITHOUT_REPEAT
+        scores = None if repeat_unused else super().score(model, tokenizer, prefill, progress)
+        self._sequences = [] if self.on_policy else None  # the sources' fed tokens, replayed on-policy
         if self.reference in ("self-study", "self-study+repeat"):
             from .am_selfstudy import self_study_queries
 
             studied = self_study_queries(model, tokenizer, prefill, self._new_reservoirs(prefill),
-                                         self.self_study_tokens)
+                                         self.self_study_tokens, fed=self._sequences)
             if self.reference == "self-study":
                 self._reservoirs = studied
             else:  # one pool, subsampled to ``queries`` by ``QueryReservoir.split``
@@ -254,7 +270,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             from .am_continue import continuation_queries
 
             sampled = continuation_queries(model, tokenizer, prefill, self._new_reservoirs(prefill),
-                                           self.continue_tokens, QUERY_SEED)
+                                           self.continue_tokens, QUERY_SEED, fed=self._sequences)
             if self.reference == "continue":
                 self._reservoirs = sampled
             else:  # both: one pool, subsampled to ``queries`` by ``QueryReservoir.split``
@@ -263,6 +279,11 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         if self.ridge_search:
             rec = self._prefill_queries(model, prefill)
             self._validation = (rec.tail_queries, rec.tail_start, rec.scaling)
+        if self.score_queries == "reference":
+            layers = len(prefill.spec.compressed_layers)
+            scores = torch.stack([self._reference_scores(prefill, i) for i in range(layers)])
+            if progress and repeat_unused:
+                progress(prefill.context_tokens)
         return scores
 
     def _prefill_queries(self, model, prefill: Prefill):
@@ -354,6 +375,14 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             out[h, omp_select(keys[h], fit[h], scaling, t, forced)] = True
         return out
 
+    def _reference_scores(self, prefill: Prefill, i: int) -> torch.Tensor:
+        """``[kv_heads, context]`` float32 on CPU: each context entry's largest attention probability within the
+        context over the fit queries (``score_queries="reference"``: KVzip's score, arXiv 2505.23416 §3.2, with the
+        reference queries in place of the repeat pass's)."""
+        fit, _, scaling = self._reference(i)
+        keys = prefill.keys[prefill.spec.compressed_layers[i]][:, prefill.sink :].float()
+        return torch.stack([max_attention(fit[h], keys[h], scaling) for h in range(keys.shape[0])]).cpu()
+
     def _rms_scores(self, prefill: Prefill, i: int) -> torch.Tensor:
         """``[kv_heads, context]`` float32 on CPU: the RMS over the fit queries of each context entry's attention
         probability within the context (the paper's ``score_method="rms"``)."""
@@ -434,12 +463,18 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         return out
 
     def _recompute_queries(self, prefill: Prefill, layers: list[LayerEntries], i: int) -> QueryReservoir:
-        """On-policy queries of compressed layer ``i``: KVzip's repeat passes again, the compressed layers before
-        it holding their compacted entries (biases included) for the chunk's positions."""
-        from .am_policy import on_policy_queries
+        """On-policy queries of compressed layer ``i``, the compressed layers before it holding their compacted
+        entries (biases included): KVzip's repeat passes again when the reference has the repeat pass's queries
+        (``am_policy.on_policy_queries``), and the self-study answers or sampled continuations replayed when it
+        has those (``am_policy.replayed_queries``), pooled in one reservoir."""
+        from .am_policy import on_policy_queries, replayed_queries
 
-        return on_policy_queries(self, self._model, self._tokenizer, prefill, layers, i,
-                                                QueryReservoir(prefill.spec.num_kv_heads, self.queries))
+        reservoir = QueryReservoir(prefill.spec.num_kv_heads, self.queries)
+        if self.reference in REFERENCES_WITH_REPEAT:
+            on_policy_queries(self, self._model, self._tokenizer, prefill, layers, i, reservoir)
+        if self._sequences:
+            replayed_queries(self._model, prefill, layers, i, self._sequences, reservoir)
+        return reservoir
 
 
 def _held_out_errors(keys, values, queries, sink, kept, beta, new_values, scaling) -> tuple[float, float]:

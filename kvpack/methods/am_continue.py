@@ -24,7 +24,8 @@ CONTINUE_LENGTH = 256
 
 
 @torch.inference_mode()
-def continuation_queries(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, seed: int = 0) -> list:
+def continuation_queries(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, seed: int = 0,
+                         fed: list | None = None) -> list:
     """Feed ``tokens`` sampled tokens after the context and add each compressed layer's queries to its reservoir.
 
     Args:
@@ -34,6 +35,8 @@ def continuation_queries(model, tokenizer, prefill: Prefill, reservoirs: list, t
         reservoirs: one ``QueryReservoir`` per compressed layer, in ``prefill.spec.compressed_layers`` order.
         tokens: sampled tokens in all, ``>= 1``.
         seed: seed of the sampling generator (the same tokens for the same prefill and seed).
+        fed: if given, each sequence's token ids as fed after the context are appended to it as a list of ints, for
+            replaying them (``am_policy.replayed_queries``).
 
     Returns:
         ``reservoirs``, filled. Raises nothing of its own.
@@ -43,16 +46,20 @@ def continuation_queries(model, tokenizer, prefill: Prefill, reservoirs: list, t
     newline = tokenizer.encode("\n", add_special_tokens=False)
     start = newline[-1] if newline else int(prefill.token_ids[-1])  # a tokenizer without one: the last token
     eos = tokenizer.eos_token_id
-    fed = 0
-    while fed < tokens:
+    count = 0
+    while count < tokens:
         cache.rewind()
         x = torch.tensor([[start]], device=device)
-        for _ in range(min(CONTINUE_LENGTH, tokens - fed)):
+        sequence = []
+        for _ in range(min(CONTINUE_LENGTH, tokens - count)):
+            sequence.append(int(x))
             logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[0, -1].float()
-            fed += 1
+            count += 1
             x = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).view(1, 1)
             if eos is not None and int(x) == eos:
                 break
+        if fed is not None:
+            fed.append(sequence)
     cache.rewind()
     return reservoirs
 

@@ -35,7 +35,7 @@ from ..attention_math import flash_folded
 from .params import FIT_WEIGHTS, RIDGE_TARGETS
 
 __all__ = ["BETA_RANGE", "NNLS_ITERS", "RIDGE", "RIDGE_STEPS", "nnls_box", "least_squares", "HeadFit", "fit_head",
-           "context_share", "context_attention", "attention_output", "relative_error", "rms_attention"]
+           "context_share", "context_attention", "attention_output", "relative_error", "rms_attention", "max_attention"]
 
 #: beta = log w is clamped to this range (the paper's configuration: w in [e^-3, e^3]).
 BETA_RANGE = (-3.0, 3.0)
@@ -259,6 +259,17 @@ def rms_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> 
     _, lse = context_attention(q, k, k, scaling)
     squared = torch.matmul(q, k.T).mul_(scaling).sub_(lse[:, None]).mul_(2.0).exp_()
     return squared.mean(dim=0).sqrt_()
+
+
+def max_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``[T]`` float32: each key's largest attention probability over the queries,
+    ``max_q softmax(scaling Q K^T)[q, t]`` (``queries`` ``[n, d]``, ``keys`` ``[T, d]``): KVzip's importance score
+    (arXiv 2505.23416 §3.2, Eq. 2: the maximum over the repeat pass's queries) with other queries in its place,
+    the softmax over the context alone. The log-sum-exps come from one fused call (``context_attention``), and the
+    ``[n, T]`` logits are exponentiated once. Raises nothing beyond torch's errors for mismatched shapes."""
+    q, k = queries.float(), keys.float()
+    _, lse = context_attention(q, k, k, scaling)
+    return torch.matmul(q, k.T).mul_(scaling).sub_(lse[:, None]).exp_().amax(dim=0)
 
 
 def attention_output(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,

@@ -46,7 +46,8 @@ PROMPTS = (
 
 @torch.inference_mode()
 def self_study_queries(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int,
-                       prompts: tuple[str, ...] = PROMPTS, batched_off: bool = False) -> list:
+                       prompts: tuple[str, ...] = PROMPTS, batched_off: bool = False, fed: list | None = None
+                       ) -> list:
     """Answer each prompt greedily for at most ``tokens`` tokens after the context and add each compressed layer's
     queries (prompt and answer tokens) to its reservoir.
 
@@ -57,6 +58,8 @@ def self_study_queries(model, tokenizer, prefill: Prefill, reservoirs: list, tok
         tokens: answer tokens per prompt at most, ``>= 1``.
         prompts: the prompts (default ``PROMPTS``).
         batched_off: answer one prompt at a time even where the batch would apply (tests compare the two).
+        fed: if given, each prompt's token ids as fed after the context (prompt, then the answer tokens fed) are
+            appended to it as a list of ints, for replaying them (``am_policy.replayed_queries``).
 
     Returns:
         ``reservoirs``, filled. Raises nothing of its own.
@@ -64,8 +67,8 @@ def self_study_queries(model, tokenizer, prefill: Prefill, reservoirs: list, tok
     if not prefill.spec.sliding_layers and not batched_off:
         extra = (len(prompts) - 1) * sum(k.numel() * k.element_size() * 2 for k in prefill.keys)
         if extra <= BATCH_BYTES:
-            return _batched(model, tokenizer, prefill, reservoirs, tokens, prompts)
-    return _one_by_one(model, tokenizer, prefill, reservoirs, tokens, prompts)
+            return _batched(model, tokenizer, prefill, reservoirs, tokens, prompts, fed)
+    return _one_by_one(model, tokenizer, prefill, reservoirs, tokens, prompts, fed)
 
 
 def _room(model, prefill: Prefill, prompt_tokens: int, tokens: int) -> int:
@@ -75,7 +78,8 @@ def _room(model, prefill: Prefill, prompt_tokens: int, tokens: int) -> int:
     return tokens if limit is None else min(tokens, int(limit) - prefill.tokens - prompt_tokens)
 
 
-def _one_by_one(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, prompts) -> list:
+def _one_by_one(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, prompts, fed: list | None
+                ) -> list:
     cache, device = recording_cache(model, prefill, reservoirs)
     eos = tokenizer.eos_token_id
     for prompt in prompts:
@@ -85,17 +89,21 @@ def _one_by_one(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: in
         if room < 0:
             break  # the context leaves no positions for this prompt
         x = torch.tensor([ids], device=device)
+        sequence = []
         for _ in range(room):
+            sequence.extend(x[0].tolist())
             logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[0, -1]
             nxt = int(logits.float().argmax())
             if eos is not None and nxt == eos:
                 break
             x = torch.tensor([[nxt]], device=device)
+        if fed is not None and sequence:
+            fed.append(sequence)
     cache.rewind()
     return reservoirs
 
 
-def _batched(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, prompts) -> list:
+def _batched(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, prompts, fed: list | None) -> list:
     """The prompts as one batch over copies of the context's KV (module docstring); the same tokens' queries as
     ``_one_by_one`` (a row stops at its end-of-sequence token, which is not fed, or after ``room`` calls)."""
     from transformers import DynamicCache
@@ -141,8 +149,13 @@ def _batched(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, 
 
     active = torch.ones(batch, dtype=torch.bool, device=device)
     calls = torch.tensor(rooms, device=device)
+    sequences = [list(r) for r in ids]  # what each row feeds: its prompt, then its answer tokens while active
     with queries_to(sink):
         for step in range(max(rooms)):
+            if step:
+                for b in range(batch):
+                    if bool(state["valid"][b, 0]):
+                        sequences[b].append(int(x[b, 0]))
             logits = model(input_ids=x, attention_mask=mask, position_ids=positions, past_key_values=cache,
                            use_cache=True).logits[:, -1]
             nxt = logits.float().argmax(dim=-1)
@@ -155,4 +168,6 @@ def _batched(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, 
             state["valid"] = active[:, None]
             mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long, device=device)], dim=1)
             positions = positions[:, -1:] + 1
+    if fed is not None:
+        fed.extend(sequences)
     return reservoirs

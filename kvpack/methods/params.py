@@ -30,7 +30,7 @@ from ..errors import InputError
 
 __all__ = ["Option", "option", "MethodParams", "PARAMS", "CommandLineOption", "command_line_options",
            "parameter_types", "parse_value", "SCOPES", "SCORINGS", "MERGE_MODES", "SELECTIONS", "VALUE_MODES",
-           "REFERENCES", "SHIFTS", "RIDGE_TARGETS", "FIT_WEIGHTS", "BUDGETS", "MAX_QUERIES", "check_int", "check_float",
+           "REFERENCES", "SHIFTS", "RIDGE_TARGETS", "FIT_WEIGHTS", "BUDGETS", "SCORE_QUERIES", "MAX_QUERIES", "check_int", "check_float",
            "check_choice", "check_bool"]
 
 #: The top-k scopes of ``Method.select`` (``budget``): one top-k over everything, per layer, per KV head.
@@ -51,6 +51,9 @@ REFERENCES = ("repeat", "continue", "both", "self-study", "self-study+repeat", "
 #: Attention Matching's per-head budget splits (``budgets``; ``kvpack.methods.budgets``): KVzip's global top-k,
 #: the same with a per-head cap (``max_head_ratio``), an even split, or a per-model schedule file.
 BUDGETS = ("global", "global-capped", "uniform", "schedule")
+#: Whose queries score the context entries for Attention Matching's budget split and kept keys (``score_queries``):
+#: KVzip's repeat pass, or the reference queries (``reference``), by KVzip's rule (each entry's largest attention).
+SCORE_QUERIES = ("repeat", "reference")
 #: Most reference queries per KV head (the paper fits with up to 50,000).
 MAX_QUERIES = 50_000
 #: Per-query shifts of Attention Matching's mass matching (``shift``; ``am_fit``'s module docstring).
@@ -191,7 +194,7 @@ class AttentionMatchingParams(KVzipParams):
     name: ClassVar[str] = "am"
     absent_means: ClassVar[dict[str, Any]] = {"budgets": "global", "max_head_ratio": 1.0, "recent": 0,
                                                "value_bound": 0.0, "weights": "uniform",
-                                               "ridge_search": False}
+                                               "ridge_search": False, "score_queries": "repeat"}
     max_head_ratio: float = option(0.75, "most of a KV head's own context entries it may keep with --budgets "
                                          "global-capped or schedule (the paper's --max-ratio-per-head)",
                                    low=0.0, high=1.0)
@@ -200,6 +203,10 @@ class AttentionMatchingParams(KVzipParams):
                                            "file's fractions (capped)", choices=BUDGETS)
     schedule: str | None = option(None, "per-(layer, KV head) budget fractions for --budgets schedule (a "
                                         "kvpack.schedule safetensors file of this model)", metavar="FILE")
+    score_queries: str = option("repeat", "whose queries score the context entries for the split over heads and "
+                                          "the kept keys: KVzip's repeat pass, or the --reference queries (each "
+                                          "entry's largest attention over them, KVzip's rule; with --reference "
+                                          "continue the repeat pass is skipped)", choices=SCORE_QUERIES)
     recent: int = option(16, "last context tokens every head keeps (counted in its budget; not in the paper)",
                          low=0)
     selection: str = option("kvzip", "keys kept within a head: KVzip's score, RMS attention over the reference "
@@ -250,6 +257,7 @@ class AttentionMatchingParams(KVzipParams):
         if self.queries > MAX_QUERIES:
             raise InputError(f"am: queries must be an integer <= {MAX_QUERIES}, got {self.queries!r}")
         check_choice(self.name, "budgets", self.budgets, BUDGETS)
+        check_choice(self.name, "score_queries", self.score_queries, SCORE_QUERIES)
         check_int(self.name, "recent", self.recent, 0)
         check_int(self.name, "self_study_tokens", self.self_study_tokens, 1)
         if self.schedule is not None:
@@ -272,10 +280,11 @@ class AttentionMatchingParams(KVzipParams):
         if self.ridge_to != "zero" and self.ridge == 0:
             raise InputError(f"am: --ridge-to {self.ridge_to} (ridge_to={self.ridge_to!r}) shrinks the fitted values "
                              "through the ridge, which is 0; give --ridge too (e.g. --ridge 1)")
-        if self.on_policy and self.reference != "repeat":
-            raise InputError(f"am: --on-policy (on_policy) recomputes the repeat pass's queries and cannot be combined "
-                             f"with --reference {self.reference} (reference={self.reference!r}); use --reference "
-                             "repeat with it, or drop --on-policy")
+        if self.on_policy and self.reference in ("prefill", "prefill+repeat"):
+            raise InputError(f"am: --on-policy (on_policy) recomputes the reference queries with the earlier layers "
+                             f"compacted, which the prefill's own queries cannot be (they are the prefill's); use it "
+                             f"with another --reference than {self.reference} (reference={self.reference!r}), or "
+                             "drop --on-policy")
 
 
 @dataclass
