@@ -3,11 +3,12 @@ multi-query accuracy at several keep ratios, with the ``--values`` ablation).
 
 AM's selection is KVzip's global top-k and its scores are KVzip's (``tests/test_am.py`` checks that
 ``values="copy"`` holds exactly KVzip's entries), so one ``AttentionMatching.score`` (KVzip's repeat pass, which
-also records the reference queries) serves KVzip and every AM variant; each pack is then what
-``kvpack.compress`` returns for it (a variant with ``selection=rms`` keeps each head's count and re-chooses its
-entries by RMS attention over its reference queries, as ``AttentionMatching.select`` does). Packs are laid out with ``KvpackCache.from_pack`` (no file round trip, which
-``tests/test_am.py`` covers) to save time on a loaded machine. Contexts and targets are the bench's own
-(``kvpack.bench.continuation``, ``kvpack.bench.multiquery``, same seeds).
+also records the reference queries) serves KVzip and every AM variant of the same query source; a variant with
+``score_queries=reference`` selects by its own source's scores. Each pack is then what ``kvpack.compress`` returns
+for it (a variant with ``selection=rms`` keeps each head's count and re-chooses its entries by RMS attention over
+its reference queries, as ``AttentionMatching.select`` does). Packs are laid out with ``KvpackCache.from_pack`` (no
+file round trip, which ``tests/test_am.py`` covers) to save time on a loaded machine. Contexts and targets are the
+bench's own (``kvpack.bench.continuation``, ``kvpack.bench.multiquery``, same seeds).
 
 ``--budgets`` is an ablation of how the budget is split over heads (the same scores, the same total):
 
@@ -92,10 +93,11 @@ def packs_for(model, tok, text: str, ratios: list[float], queries: int, budgets=
     scores = get_method("kvzip").score(model, tok, full)
     t_kvzip = time.perf_counter() - t0
     specs = {name: parse_method_spec(name) for name in variants}
-    scorers, source_seconds = {}, {}
+    scorers, source_seconds, source_scores = {}, {}, {}
 
     def source_of(p: dict) -> tuple:
-        keys = ("reference", "continue_tokens", "self_study_tokens", "queries", "on_policy", "ridge_search")
+        keys = ("reference", "continue_tokens", "self_study_tokens", "queries", "on_policy", "ridge_search",
+                "score_queries")
         return tuple((k, p[k]) for k in keys if k in p)
 
     out, spent = {}, {name: 0.0 for name in variants}
@@ -106,7 +108,7 @@ def packs_for(model, tok, text: str, ratios: list[float], queries: int, budgets=
         if key not in scorers:  # the repeat pass again (it records the queries), plus any other source
             t0 = time.perf_counter()
             scorers[key] = get_method("am", **{"queries": queries, **dict(key)})
-            scorers[key].score(model, tok, full)
+            source_scores[key] = scorers[key].score(model, tok, full)  # KVzip's, or score_queries="reference"'s
             source_seconds[key] = time.perf_counter() - t0
     for budget in budgets:
         for r in ratios:
@@ -117,15 +119,18 @@ def packs_for(model, tok, text: str, ratios: list[float], queries: int, budgets=
                     source = scorers[source_of(p)]
                     m._spec, m._reservoirs = source._spec, source._reservoirs
                     m._validation = getattr(source, "_validation", None)  # ridge_search's queries
+                    m._sequences = source._sequences  # on_policy: the source's fed tokens, replayed per layer
                     m._model, m._tokenizer = model, tok
+                    scores_m = source_scores[source_of(p)]
                 else:
                     m = get_method(method, **p)
+                    scores_m = scores
                 if budget == "global":
-                    keep_m = m.select(scores, r, full)
+                    keep_m = m.select(scores_m, r, full)
                 else:
-                    keep_m = split_budget(m, scores, r, full, budget)
+                    keep_m = split_budget(m, scores_m, r, full, budget)
                     if method == "am" and m.selection != "kvzip":
-                        keep_m = m.reselect_within_heads(keep_m, full, scores)
+                        keep_m = m.reselect_within_heads(keep_m, full, scores_m)
                 out[(name, budget, r)] = assemble_pack(model, tok, text, m, r, full, keep_m, "<bench>", fingerprint)
                 spent[name] += time.perf_counter() - t0
     if timings is not None:
