@@ -30,8 +30,8 @@ from ..errors import InputError
 
 __all__ = ["Option", "option", "MethodParams", "PARAMS", "CommandLineOption", "command_line_options",
            "parameter_types", "parse_value", "SCOPES", "SCORINGS", "MERGE_MODES", "SELECTIONS", "VALUE_MODES",
-           "REFERENCES", "SHIFTS", "RIDGE_TARGETS", "FIT_WEIGHTS", "BUDGETS", "SCORE_QUERIES", "MAX_QUERIES", "check_int", "check_float",
-           "check_choice", "check_bool"]
+           "REFERENCES", "SHIFTS", "RIDGE_TARGETS", "FIT_WEIGHTS", "BUDGETS", "SCORE_QUERIES", "MAX_QUERIES",
+           "check_int", "check_float", "check_choice", "check_bool"]
 
 #: The top-k scopes of ``Method.select`` (``budget``): one top-k over everything, per layer, per KV head.
 SCOPES = ("global", "layer", "head")
