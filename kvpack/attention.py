@@ -296,7 +296,8 @@ def kvpack_attention_forward(module, query, key, value, attention_mask, dropout:
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if layer.queries is not None:  # Attention Matching's reference queries (post q-norm and RoPE)
-        layer.queries.append((query[0].detach(), float(scaling)))
+        # its on-policy sweep (kvpack.methods.am_sweep) returns the compacted layer this call attends to instead
+        layer = layer.queries.append((query[0].detach(), float(scaling))) or layer
     window = kwargs.get("sliding_window")
     if layer.scores is None:
         return packed_attention(query, layer, scaling, window), None

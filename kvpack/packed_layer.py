@@ -88,7 +88,8 @@ class PackedLayer(CacheLayerMixin):
         #: KVzip+'s ``(entry, query)`` weights of those scores (``kvpack.attention.masked_attention``), or ``None``.
         self.score_weights: tuple[torch.Tensor, torch.Tensor] | None = None
         #: a list while Attention Matching records reference queries (``kvpack.methods.am``): the attention
-        #: function appends ``(query [heads, q, head_dim], scaling)`` of every call; ``None`` otherwise.
+        #: function appends ``(query [heads, q, head_dim], scaling)`` of every call, and attends to the layer an
+        #: ``append`` returns, if any (the on-policy sweep, ``kvpack.methods.am_sweep``); ``None`` otherwise.
         self.queries: list | None = None
         self._head_views: list | None = None
         #: ``dense_views``'s views once made (``False``: the layer has none).

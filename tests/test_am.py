@@ -578,6 +578,66 @@ def test_on_policy_self_study_builds_a_pack_that_generates(tmp_path):
                       str)
 
 
+@pytest.mark.parametrize("reference", ["self-study+repeat", "continue"])
+def test_on_policy_sweep_fits_each_layer_on_the_layer_by_layer_replays_queries(monkeypatch, reference):
+    """The on-policy sweep (``am_sweep``: every pass once, in step) fits layer ``i`` on exactly the queries the
+    layer-by-layer reference (``_recompute_queries``: the repeat chunks and fed sequences run again up to layer
+    ``i``) computes over the final compacted layers before it, pooled in the same order; layer 0 on the sources'
+    own queries. Several repeat chunks and sequences run as concurrent passes here."""
+    from kvpack.methods.am import AttentionMatching
+    from kvpack.methods.base import gather
+
+    model, tok = tiny_model("llama")
+    spec, layout = model_spec(model), chat_layout(tok)
+    prefix = layout.prefix_ids(tok)
+    full = prefill(model, prefix + layout.encode(tok, TEXT), len(prefix), layout, spec, 40)
+    scorer = get_method("am", chunk_size=40, queries=50_000, reference=reference, self_study_tokens=3,
+                        continue_tokens=9, on_policy=True)
+    scores = scorer.score(model, tok, full)
+    passes = scorer._policy_passes(full)
+    assert len(passes) >= (3 if "repeat" in reference else 1)
+    original = [torch.cat(r.parts, dim=1) for r in scorer._reservoirs]
+    seen: dict[int, torch.Tensor] = {}
+    fit_layer = AttentionMatching._fit_layer
+
+    def spy(self, prefill_, keep_, layers_, i, reservoirs, tally):
+        seen[i] = torch.cat(reservoirs[i].parts, dim=1)
+        return fit_layer(self, prefill_, keep_, layers_, i, reservoirs, tally)
+
+    monkeypatch.setattr(AttentionMatching, "_fit_layer", spy)
+    keep = scorer.select(scores, 0.3, full)
+    layers = gather(full, keep)
+    stats = scorer.update_entries(full, keep, layers)
+    assert sorted(seen) == list(range(len(spec.compressed_layers))) and stats["queries"] > 0
+    torch.testing.assert_close(seen[0], original[0])
+    for i in range(1, len(spec.compressed_layers)):
+        want = torch.cat(scorer._recompute_queries(full, layers, i).parts, dim=1)
+        torch.testing.assert_close(seen[i], want, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(seen[i], original[i], atol=1e-3)  # the compacted layers moved them
+
+
+def test_on_policy_sweep_raises_a_passs_error_and_leaves_no_thread_waiting(monkeypatch):
+    """A pass that fails mid-forward stops the sweep: its error reaches the caller and every thread ends."""
+    import threading
+
+    from kvpack.methods import am_sweep
+    from kvpack.methods.base import gather
+
+    model, tok = tiny_model("llama")
+    spec, layout = model_spec(model), chat_layout(tok)
+    prefix = layout.prefix_ids(tok)
+    full = prefill(model, prefix + layout.encode(tok, TEXT), len(prefix), layout, spec, 40)
+    scorer = get_method("am", chunk_size=40, on_policy=True)
+    scores = scorer.score(model, tok, full)
+    passes = scorer._policy_passes(full)
+    passes[-1].input_ids = [10 ** 9]  # an id past the vocabulary: the embedding lookup fails in that thread
+    before = threading.active_count()
+    fitted = []
+    with pytest.raises(IndexError):
+        am_sweep.on_policy_sweep(model, full, gather(full, scores > -1), passes, lambda i, handed: fitted.append(i))
+    assert fitted == [] and threading.active_count() == before
+
+
 def test_score_queries_reference_scores_by_the_reference_queries_without_the_repeat_pass(monkeypatch):
     """``score_queries="reference"`` with sampled continuations: KVzip's repeat pass does not run, and the scores are
     each entry's largest attention over the fit queries (``max_attention``), which then drive the split."""

@@ -5,7 +5,7 @@ Kim, "Fast KV Compaction via Attention Matching", arXiv 2602.16284, §3; the fit
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
 import torch
@@ -134,9 +134,9 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     scaling is used.
 
     ``on_policy``: layer ``l``'s reference queries are recomputed with the compressed layers before ``l`` already
-    compacted (§3.3, on-policy queries): the repeat pass run again (one extra repeat pass per compressed layer) and
-    the self-study answers or sampled continuations replayed (one forward call per sequence and layer), as the
-    reference has them; not with the prefill's own queries.
+    compacted (§3.3, on-policy queries): the repeat pass and the self-study answers or sampled continuations, as the
+    reference has them, run once more, all in step, each layer fitted as soon as every pass has its queries
+    (``kvpack.methods.am_sweep``: one extra forward call per pass in all); not with the prefill's own queries.
 
     Failed fits: the values' least squares always returns a fit (``am_fit.least_squares``: Cholesky of the
     normal equations, then the same with the smallest ridge ``1e-6 x 10^k x mean(diag)`` that factorises, then the
@@ -392,81 +392,114 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
 
     @torch.inference_mode()
     def update_entries(self, prefill: Prefill, keep: torch.Tensor, layers: list[LayerEntries]) -> dict:
-        spec, sink = prefill.spec, prefill.sink
-        errors, baseline, mass, n_fit, n_held, unfitted, rejected = [], [], [], 0, 0, 0, 0
-        chosen: dict[str, int] = {}
+        tally = _FitTally()
         reservoirs = list(self._reservoirs or [])
-        for i, l in enumerate(spec.compressed_layers):
-            if self.on_policy and i > 0:
-                reservoirs[i] = self._recompute_queries(prefill, layers, i)
-            fit_q, held_q, scaling = self._reference(i, reservoirs)
-            n_fit, n_held = fit_q.shape[1], held_q.shape[1]
-            entries = layers[l]
-            offsets = entries.head_offsets().tolist()
-            biases = torch.zeros(entries.num_entries, dtype=torch.float32)
-            keys = prefill.keys[l].float()  # [kv_heads, tokens, d], sink first
-            values = prefill.values[l].float()
-            err, base, ms = [], [], []
-            for h in range(keys.shape[0]):
-                kept = keep[i, h].nonzero().squeeze(1).to(keys.device)
-                if len(kept) in (0, keys.shape[1] - sink) or len(kept) * OVERDETERMINED > n_fit:
-                    unfitted += 1
-                    continue  # as KVzip selected it (nothing kept, or nothing evicted): beta = 0, values copied
-                k_ctx, v_ctx = keys[h, sink:], values[h, sink:]
-                fit = fit_head(k_ctx, v_ctx, fit_q[h], kept, scaling, fit_values=self.values == "fit",
-                               shift=self.shift, ridge=self.ridge, ridge_to=self.ridge_to,
-                               weights=self.weights, sink_keys=keys[h, :sink],
-                               keep_design=self.ridge_search and self.values == "fit")
-                new_values, beta = fit.values, fit.beta
-                if fit.design is not None:  # ridge_search: the candidate best on the validation queries
-                    vq, vpos, vscale = self._validation_queries(prefill, i, h)
-                    name, beta, new_values, _ = choose_fit(
-                        keys[h], values[h], prefill.positions[l].to(keys.device), sink, kept, fit.beta,
-                        *fit.design, vq.to(keys.device), vpos.to(keys.device), vscale, C.MAX_KV_ABS)
-                    chosen[name] = chosen.get(name, 0) + 1
-                    if name == "selection":
-                        rejected += 1
-                        continue  # KVzip's entries as they are
-                else:
-                    if self.values == "merge" and len(kept) < k_ctx.shape[0]:
-                        evicted = (~keep[i, h]).nonzero().squeeze(1).to(keys.device)
-                        merged, target, w = merge_plan(k_ctx[kept].cpu(), k_ctx[evicted].cpu(), D2O.beta)
-                        new_values = merge_rows(v_ctx[kept].cpu(), v_ctx[evicted].cpu()[merged], target, w)
-                    if not bool((new_values.abs() <= C.MAX_KV_ABS).all()):  # also NaN: a value the loader refuses
-                        rejected += 1
-                        continue  # an ill-conditioned fit: the head stays as KVzip selected it
-                    if self.value_bound > 0 and float(new_values.abs().max()) > self.value_bound * float(
-                            v_ctx.abs().max()):
-                        rejected += 1
-                        continue  # values far outside the context's own: an extrapolating fit
-                if n_held:
-                    e_fit, e_sel = _held_out_errors(keys[h], values[h], held_q[h], sink, kept, beta,
-                                                    new_values.to(keys.device), scaling)
-                    base.append(e_sel)
-                    if fit.design is None and self.held_out_check and e_fit > e_sel:
-                        rejected += 1
-                        err.append(e_sel)
-                        continue  # the fit is worse than the selection alone on held-out queries
-                    err.append(e_fit)
-                rows = slice(offsets[h] + sink, offsets[h] + sink + len(kept))
-                entries.values[rows] = new_values.to(entries.values.dtype).cpu()
-                biases[rows] = beta.cpu()
-                ms.append(fit.mass_error)
-            entries.biases = biases
-            errors.append(_mean(err))
-            baseline.append(_mean(base))
-            mass.append(_mean(ms))
-        out = {"queries": n_fit, "held_out": n_held, "relative_error": errors, "selection_error": baseline,
-               "mass_error": mass, "heads_unfitted": unfitted, "heads_rejected": rejected}
+        passes = self._policy_passes(prefill) if self.on_policy else []
+        if passes and len(prefill.spec.compressed_layers) > 1:
+            from .am_sweep import on_policy_sweep
+
+            def fit_layer(i: int, handed: list[tuple[torch.Tensor, float]]) -> None:
+                if i > 0:  # layer 0's queries are the sources' own (nothing before it is compacted)
+                    reservoirs[i] = QueryReservoir(prefill.spec.num_kv_heads, self.queries)
+                    for item in handed:
+                        reservoirs[i].append(item)
+                self._fit_layer(prefill, keep, layers, i, reservoirs, tally)
+
+            on_policy_sweep(self._model, prefill, layers, passes, fit_layer)
+        else:
+            for i in range(len(prefill.spec.compressed_layers)):
+                self._fit_layer(prefill, keep, layers, i, reservoirs, tally)
+        out = {"queries": tally.n_fit, "held_out": tally.n_held, "relative_error": tally.errors,
+               "selection_error": tally.baseline, "mass_error": tally.mass, "heads_unfitted": tally.unfitted,
+               "heads_rejected": tally.rejected}
         if self.ridge_search:
-            out["ridge_search"] = chosen
+            out["ridge_search"] = tally.chosen
         return out
 
+    def _fit_layer(self, prefill: Prefill, keep: torch.Tensor, layers: list[LayerEntries], i: int,
+                   reservoirs: list[QueryReservoir], tally: "_FitTally") -> None:
+        """Fit compressed layer ``i``'s kept entries of every head on ``reservoirs[i]``'s queries, in place in
+        ``layers`` (values and ``biases``), and add the layer's errors and counts to ``tally``."""
+        sink, l = prefill.sink, prefill.spec.compressed_layers[i]
+        fit_q, held_q, scaling = self._reference(i, reservoirs)
+        tally.n_fit, tally.n_held = n_fit, n_held = fit_q.shape[1], held_q.shape[1]
+        entries = layers[l]
+        offsets = entries.head_offsets().tolist()
+        biases = torch.zeros(entries.num_entries, dtype=torch.float32)
+        keys = prefill.keys[l].float()  # [kv_heads, tokens, d], sink first
+        values = prefill.values[l].float()
+        err, base, ms = [], [], []
+        for h in range(keys.shape[0]):
+            kept = keep[i, h].nonzero().squeeze(1).to(keys.device)
+            if len(kept) in (0, keys.shape[1] - sink) or len(kept) * OVERDETERMINED > n_fit:
+                tally.unfitted += 1
+                continue  # as KVzip selected it (nothing kept, or nothing evicted): beta = 0, values copied
+            k_ctx, v_ctx = keys[h, sink:], values[h, sink:]
+            fit = fit_head(k_ctx, v_ctx, fit_q[h], kept, scaling, fit_values=self.values == "fit",
+                           shift=self.shift, ridge=self.ridge, ridge_to=self.ridge_to,
+                           weights=self.weights, sink_keys=keys[h, :sink],
+                           keep_design=self.ridge_search and self.values == "fit")
+            new_values, beta = fit.values, fit.beta
+            if fit.design is not None:  # ridge_search: the candidate best on the validation queries
+                vq, vpos, vscale = self._validation_queries(prefill, i, h)
+                name, beta, new_values, _ = choose_fit(
+                    keys[h], values[h], prefill.positions[l].to(keys.device), sink, kept, fit.beta,
+                    *fit.design, vq.to(keys.device), vpos.to(keys.device), vscale, C.MAX_KV_ABS)
+                tally.chosen[name] = tally.chosen.get(name, 0) + 1
+                if name == "selection":
+                    tally.rejected += 1
+                    continue  # KVzip's entries as they are
+            else:
+                if self.values == "merge" and len(kept) < k_ctx.shape[0]:
+                    evicted = (~keep[i, h]).nonzero().squeeze(1).to(keys.device)
+                    merged, target, w = merge_plan(k_ctx[kept].cpu(), k_ctx[evicted].cpu(), D2O.beta)
+                    new_values = merge_rows(v_ctx[kept].cpu(), v_ctx[evicted].cpu()[merged], target, w)
+                if not bool((new_values.abs() <= C.MAX_KV_ABS).all()):  # also NaN: a value the loader refuses
+                    tally.rejected += 1
+                    continue  # an ill-conditioned fit: the head stays as KVzip selected it
+                if self.value_bound > 0 and float(new_values.abs().max()) > self.value_bound * float(
+                        v_ctx.abs().max()):
+                    tally.rejected += 1
+                    continue  # values far outside the context's own: an extrapolating fit
+            if n_held:
+                e_fit, e_sel = _held_out_errors(keys[h], values[h], held_q[h], sink, kept, beta,
+                                                new_values.to(keys.device), scaling)
+                base.append(e_sel)
+                if fit.design is None and self.held_out_check and e_fit > e_sel:
+                    tally.rejected += 1
+                    err.append(e_sel)
+                    continue  # the fit is worse than the selection alone on held-out queries
+                err.append(e_fit)
+            rows = slice(offsets[h] + sink, offsets[h] + sink + len(kept))
+            entries.values[rows] = new_values.to(entries.values.dtype).cpu()
+            biases[rows] = beta.cpu()
+            ms.append(fit.mass_error)
+        entries.biases = biases
+        tally.errors.append(_mean(err))
+        tally.baseline.append(_mean(base))
+        tally.mass.append(_mean(ms))
+
+    def _policy_passes(self, prefill: Prefill) -> list:
+        """The on-policy sweep's passes (``am_sweep.PolicyPass``), in the order their queries are pooled: KVzip's
+        repeat chunks when the reference has the repeat pass's queries, then the token sequences the reference
+        source fed (self-study answers, sampled continuations), each after the whole context."""
+        from .am_sweep import PolicyPass
+
+        passes = []
+        if self.reference in REFERENCES_WITH_REPEAT:
+            for start, stop, repeat_ids in self.repeat_inputs(self._tokenizer, prefill):
+                passes.append(PolicyPass(prefill.view_cache(slice(start, stop)), repeat_ids, start, stop))
+        for sequence in self._sequences or []:
+            passes.append(PolicyPass(prefill.view_cache(), list(sequence), 0, prefill.context_tokens))
+        return passes
+
     def _recompute_queries(self, prefill: Prefill, layers: list[LayerEntries], i: int) -> QueryReservoir:
-        """On-policy queries of compressed layer ``i``, the compressed layers before it holding their compacted
-        entries (biases included): KVzip's repeat passes again when the reference has the repeat pass's queries
-        (``am_policy.on_policy_queries``), and the self-study answers or sampled continuations replayed when it
-        has those (``am_policy.replayed_queries``), pooled in one reservoir."""
+        """On-policy queries of compressed layer ``i`` computed for that layer alone (one forward call per pass and
+        layer; the reference ``tests/test_am.py`` checks the sweep against), the compressed layers before it holding
+        their compacted entries (biases included): KVzip's repeat passes again when the reference has the repeat
+        pass's queries (``am_policy.on_policy_queries``), and the self-study answers or sampled continuations
+        replayed when it has those (``am_policy.replayed_queries``), pooled in one reservoir as the sweep pools
+        them."""
         from .am_policy import on_policy_queries, replayed_queries
 
         reservoir = QueryReservoir(prefill.spec.num_kv_heads, self.queries)
@@ -475,6 +508,20 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         if self._sequences:
             replayed_queries(self._model, prefill, layers, i, self._sequences, reservoir)
         return reservoir
+
+
+@dataclass
+class _FitTally:
+    """What ``AttentionMatching._fit_layer`` adds up over the compressed layers for ``stats["fit"]``."""
+
+    n_fit: int = 0
+    n_held: int = 0
+    unfitted: int = 0
+    rejected: int = 0
+    errors: list = field(default_factory=list)
+    baseline: list = field(default_factory=list)
+    mass: list = field(default_factory=list)
+    chosen: dict = field(default_factory=dict)
 
 
 def _held_out_errors(keys, values, queries, sink, kept, beta, new_values, scaling) -> tuple[float, float]:

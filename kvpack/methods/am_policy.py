@@ -2,7 +2,11 @@
 KVzip's repeat pass (``on_policy_queries``), or from the token sequences a query source fed after the context
 (self-study answers, sampled continuations: ``replayed_queries``), run again with the compressed layers before ``l``
 already compacted, so they are the queries the layer will see once the earlier layers' errors are in the cache
-(the paper's code regenerates every source's queries so, ``ss-plus-repeat`` included)."""
+(the paper's code regenerates every source's queries so, ``ss-plus-repeat`` included).
+
+These compute one layer's queries at a time: one forward call per pass *and* layer. ``AttentionMatching`` gets the
+same queries from ``am_sweep``'s single sweep (every pass once, all in step); these functions are the reference
+it is tested against (``tests/test_am.py``)."""
 
 from __future__ import annotations
 
