@@ -33,7 +33,7 @@ import contextvars
 import torch
 import torch.nn.functional as F
 
-from .attention_math import attention_past_and_causal, flash
+from .attention_math import attention_past_and_causal, flash, shared_prefix_attention
 from .errors import UnsupportedModelError
 from .stats import attention_with_column_sums, one_pass_applies, one_pass_attention, visible_mask
 from .varlen import packed_attention
@@ -280,6 +280,17 @@ def kvpack_attention_forward(module, query, key, value, attention_mask, dropout:
             recorder.record(layer_idx, query, key, scale, key_start, window)
         if query.device.type == "cpu":  # unmasked flash calls; elsewhere transformers' SDPA below
             return attention_with_lse(query, key, value, scale, window)[0], None
+    shared = getattr(key, "_kvpack_shared", None)
+    if shared is not None:  # a batch continuing one context held once (kvpack.shared_context)
+        if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+            raise UnsupportedModelError("attention soft-capping and attention sinks are not supported by kvpack")
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        sink = _QUERY_SINK.get()
+        if sink is not None:
+            sink(getattr(module, "layer_idx", None), query, scale)
+        out = shared_prefix_attention(query, shared.context_keys, shared.context_values, key, value,
+                                      shared.visible(query.shape[2]), scale)
+        return out.transpose(1, 2).contiguous(), None
     if layer is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["flash", "flash_folded", "attention_past_and_causal", "merge_partials"]
+__all__ = ["flash", "flash_folded", "attention_past_and_causal", "shared_prefix_attention", "merge_partials"]
 
 
 def flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, *, causal: bool = False,
@@ -82,6 +82,43 @@ def attention_past_and_causal(query: torch.Tensor, key: torch.Tensor, value: tor
         out_past, lse_past = flash_folded(query, key[:, :, :past], value[:, :, :past], scaling)
         out, lse = merge_partials(out, lse, out_past, lse_past)
     return out, lse
+
+
+def shared_prefix_attention(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
+                            key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scaling: float
+                            ) -> torch.Tensor:
+    """A batch of sequences that continue one shared prefix: every query attends over the prefix's entries (held
+    once, not once per sequence) and over the visible entries of its own sequence's suffix.
+
+    The prefix part is one flash call with the batch and the GQA group folded into the queries (the prefix is read
+    once per KV head for the whole batch); the suffix part, short, is explicit; the two are merged through their
+    log-sum-exps (``merge_partials``), which is exact.
+
+    Args:
+        query: ``[b, heads, q, d]``: the last ``q`` tokens of each sequence's suffix.
+        prefix_key, prefix_value: ``[1, kv_heads, p, d(_v)]``, visible to every query.
+        key, value: ``[b, kv_heads, s, d(_v)]``: each sequence's suffix so far, the queries' own tokens last.
+        visible: ``[b, q, s]`` bool: which suffix entries each query sees (left padding and causality). A query
+            may see none (a padding row): it then attends over the prefix alone.
+        scaling: the softmax temperature.
+
+    Returns:
+        ``[b, heads, q, d_v]`` in the query's dtype.
+    """
+    b, heads, q_len, dim = query.shape
+    kv_heads = prefix_key.shape[1]
+    group = heads // kv_heads
+    folded = query.reshape(b, kv_heads, group * q_len, dim).transpose(0, 1).reshape(1, kv_heads, -1, dim)
+    out_p, lse_p = flash(folded, prefix_key, prefix_value, scaling)  # [1, kv_heads, b * group * q, d_v]
+    out_p = out_p.reshape(kv_heads, b, group * q_len, -1).transpose(0, 1)
+    lse_p = lse_p.reshape(kv_heads, b, group * q_len).transpose(0, 1)
+    logits = torch.matmul(query.reshape(b, kv_heads, group * q_len, dim).float(), key.float().transpose(-1, -2))
+    logits.mul_(scaling).masked_fill_(~visible.repeat(1, group, 1)[:, None], float("-inf"))
+    lse_s = logits.logsumexp(dim=-1)  # [b, kv_heads, group * q]; -inf where a query sees no suffix entry
+    probs = (logits - torch.where(torch.isfinite(lse_s), lse_s, 0.0)[..., None]).exp_()
+    out_s = torch.matmul(probs, value.float())
+    out, _ = merge_partials(out_p.float(), lse_p, out_s, lse_s)
+    return out.reshape(b, heads, q_len, -1).to(query.dtype)
 
 
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor

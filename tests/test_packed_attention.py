@@ -125,6 +125,48 @@ def test_merge_partials_is_the_softmax_over_the_union():
     assert half.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_shared_prefix_attention_is_each_rows_softmax_over_prefix_and_its_own_suffix(group, q_len):
+    """Each row against an explicit softmax over [shared prefix, its visible suffix entries], with GQA, left
+    padding (row 1's first suffix slots hidden) and a query that sees no suffix entry (row 2, a padding row)."""
+    from kvpack.attention_math import shared_prefix_attention
+
+    g = torch.Generator().manual_seed(4)
+    b, kv_heads, p, s = 3, 2, 9, 6
+    query = torch.randn(b, kv_heads * group, q_len, D, generator=g)
+    pk, pv = torch.randn(1, kv_heads, p, D, generator=g), torch.randn(1, kv_heads, p, D, generator=g)
+    k, v = torch.randn(b, kv_heads, s, D, generator=g), torch.randn(b, kv_heads, s, D, generator=g)
+    valid = torch.ones(b, s, dtype=torch.bool)
+    valid[1, :2] = False
+    valid[2, : s - q_len + 1] = False  # row 2's first query sees no suffix entry at all
+    causal = torch.arange(s)[None, :] <= (s - q_len + torch.arange(q_len))[:, None]
+    visible = valid[:, None, :] & causal[None]
+    out = shared_prefix_attention(query, pk, pv, k, v, visible, 0.3)
+    for r in range(b):
+        for h in range(kv_heads * group):
+            kh = h // group
+            keys, values = torch.cat([pk[0, kh], k[r, kh]]), torch.cat([pv[0, kh], v[r, kh]])
+            mask = torch.cat([torch.ones(q_len, p, dtype=torch.bool), visible[r]], dim=1)
+            logits = (query[r, h] @ keys.T * 0.3).masked_fill(~mask, float("-inf"))
+            torch.testing.assert_close(out[r, h], logits.softmax(-1) @ values, atol=1e-5, rtol=1e-5)
+
+
+def test_shared_context_cache_fills_its_suffix_and_refuses_to_overflow():
+    from kvpack.shared_context import shared_context_cache
+
+    keys, values = [torch.randn(2, 5, D)], [torch.randn(2, 5, D)]
+    valid = torch.tensor([[False, True, True], [True, True, True]])
+    cache = shared_context_cache(keys, values, valid)
+    layer = cache.layers[0]
+    k, v = cache.update(torch.randn(2, 2, 2, D), torch.randn(2, 2, 2, D), 0)
+    assert k.shape == (2, 2, 2, D) and k._kvpack_shared is layer and cache.get_seq_length() == 7
+    assert torch.equal(layer.visible(2), torch.tensor([[[False, False], [False, True]], [[True, False], [True, True]]]))
+    assert layer.context_keys.data_ptr() == keys[0].data_ptr()  # the context is held once, not copied
+    with pytest.raises(ValueError, match="capacity 3"):
+        cache.update(torch.randn(2, 2, 2, D), torch.randn(2, 2, 2, D), 0)
+
+
 def test_biases_change_the_output_as_softmax_says():
     layer = _layer([5, 9], 1)
     query = torch.randn(1, 2, 1, D)

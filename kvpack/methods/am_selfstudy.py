@@ -10,27 +10,25 @@ and two builds record the same queries. The paper generates up to 2,048 answer t
 enabled; kvpack bounds the cost to ``tokens`` forward calls per prompt (the prompt, then ``tokens - 1`` answer
 tokens).
 
-The prompts are answered as one batch (``_batched``: a ``DynamicCache`` holding one copy of the context's KV per
-prompt, the prompts left-padded after the context) when the model has no sliding-window layers and the copies fit in
-``BATCH_BYTES``: a decode step reads the weights once for all prompts. On 2 quiet CPU cores that gains nothing
-(SmolLM2, 2K tokens, 16 calls x 4 prompts: 6.28 s batched against 6.02 s one by one, ``tools/bench_selfstudy.py``,
-BENCHMARKS.md): attention over the copies and the cache's growth cost what the shared weight reads save. It is
-kept for accelerators, where one-token decode steps are bound by launches and weight reads; not yet measured there. Otherwise one at a
-time over the prefill's own cache (``_one_by_one``). Both record the queries of the same tokens (``tests/test_am_budgets.py``).
+The prompts are answered as one batch (``_batched``) when the model has no sliding-window layers: the context's
+KV held once (``kvpack.shared_context``: each decode step attends every row's queries over the shared context in one
+fused call, plus each row's own short suffix), the prompts left-padded after it, so a decode step reads the weights
+once for all prompts and copies no context. On SmolLM2 at 2K tokens, 64 calls x 4 prompts, that takes 18.9 s
+against 34.8 s one prompt at a time (0.54x; ``tools/bench_selfstudy.py``, BENCHMARKS.md). Otherwise one at a
+time over the prefill's own cache (``_one_by_one``). Both record the queries of the same tokens
+(``tests/test_am_budgets.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..attention import queries_to, use_kvpack_attention
+from ..attention import masks_unused, queries_to, use_kvpack_attention
 from ..prefill import Prefill
+from ..shared_context import shared_context_cache
 from .am_continue import recording_cache
 
-__all__ = ["PROMPTS", "BATCH_BYTES", "self_study_queries"]
-
-#: Most bytes of extra context KV copies the batched answers may hold (one copy per prompt beyond the first).
-BATCH_BYTES = 2 * 1024**3
+__all__ = ["PROMPTS", "self_study_queries"]
 
 #: The paper code's self-study prompts (``conversation_specs.py``: summarize, aggregate, structure_json,
 #: 3_question).
@@ -65,9 +63,7 @@ def self_study_queries(model, tokenizer, prefill: Prefill, reservoirs: list, tok
         ``reservoirs``, filled. Raises nothing of its own.
     """
     if not prefill.spec.sliding_layers and not batched_off:
-        extra = (len(prompts) - 1) * sum(k.numel() * k.element_size() * 2 for k in prefill.keys)
-        if extra <= BATCH_BYTES:
-            return _batched(model, tokenizer, prefill, reservoirs, tokens, prompts, fed)
+        return _batched(model, tokenizer, prefill, reservoirs, tokens, prompts, fed)
     return _one_by_one(model, tokenizer, prefill, reservoirs, tokens, prompts, fed)
 
 
@@ -104,10 +100,8 @@ def _one_by_one(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: in
 
 
 def _batched(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, prompts, fed: list | None) -> list:
-    """The prompts as one batch over copies of the context's KV (module docstring); the same tokens' queries as
+    """The prompts as one batch continuing the context held once (module docstring); the same tokens' queries as
     ``_one_by_one`` (a row stops at its end-of-sequence token, which is not fed, or after ``room`` calls)."""
-    from transformers import DynamicCache
-
     use_kvpack_attention(model)
     device = prefill.keys[0].device
     eos = tokenizer.eos_token_id
@@ -123,19 +117,16 @@ def _batched(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, 
         return reservoirs
     ids, rooms = [x for x, _ in kept], [r for _, r in kept]
     batch, width, n = len(ids), max(len(x) for x in ids), prefill.tokens
-    cache = DynamicCache(config=model.config)
-    for layer, (k, v) in enumerate(zip(prefill.keys, prefill.values)):
-        cache.update(k[None].expand(batch, *k.shape).contiguous(), v[None].expand(batch, *v.shape).contiguous(),
-                     layer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
     x = torch.tensor([[pad] * (width - len(r)) + r for r in ids], device=device)
-    mask = torch.ones(batch, n + width, dtype=torch.long, device=device)
     valid = torch.zeros(batch, width, dtype=torch.bool, device=device)
     positions = torch.full((batch, width), n, dtype=torch.long, device=device)
     for b, r in enumerate(ids):
-        mask[b, n : n + width - len(r)] = 0
         valid[b, width - len(r):] = True
         positions[b, width - len(r):] = torch.arange(n, n + len(r), device=device)
+    # every slot after the prompts is real (a row that stopped feeds padding nobody reads, as it attends alone)
+    slots_valid = torch.cat([valid, torch.ones(batch, max(rooms) - 1, dtype=torch.bool, device=device)], dim=1)
+    cache = shared_context_cache(prefill.keys, prefill.values, slots_valid)
     slots = {l: reservoirs[i] for i, l in enumerate(prefill.spec.compressed_layers)}
     state = {"valid": valid}
 
@@ -150,14 +141,14 @@ def _batched(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, 
     active = torch.ones(batch, dtype=torch.bool, device=device)
     calls = torch.tensor(rooms, device=device)
     sequences = [list(r) for r in ids]  # what each row feeds: its prompt, then its answer tokens while active
-    with queries_to(sink):
+    with queries_to(sink), masks_unused():
         for step in range(max(rooms)):
             if step:
                 for b in range(batch):
                     if bool(state["valid"][b, 0]):
                         sequences[b].append(int(x[b, 0]))
-            logits = model(input_ids=x, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                           use_cache=True).logits[:, -1]
+            logits = model(input_ids=x, position_ids=positions, past_key_values=cache, use_cache=True,
+                           logits_to_keep=1).logits[:, -1]
             nxt = logits.float().argmax(dim=-1)
             active &= step + 1 < calls  # row b makes rooms[b] calls at most
             if eos is not None:
@@ -166,7 +157,6 @@ def _batched(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, 
                 break
             x = torch.where(active, nxt, torch.full_like(nxt, pad))[:, None]
             state["valid"] = active[:, None]
-            mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long, device=device)], dim=1)
             positions = positions[:, -1:] + 1
     if fed is not None:
         fed.extend(sequences)

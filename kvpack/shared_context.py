@@ -1,0 +1,105 @@
+"""A transformers cache for a batch of sequences that all continue one prefilled context, the context held once.
+
+Attention Matching's self-study (``kvpack.methods.am_selfstudy``) answers several prompts about the same context
+as one batch. With an ordinary ``DynamicCache`` each row needs its own copy of the context's KV, and every decode
+step concatenates the new token onto all the copies (on SmolLM2 at 2K tokens and 4 prompts, 377 MB copied per step).
+Here each layer keeps the context's keys and values once (``[1, kv_heads, context, head_dim]``, views of the
+prefill's tensors) and a preallocated suffix per row (``[batch, kv_heads, capacity, head_dim]``) that the fed tokens
+are written into; the ``"kvpack"`` attention (``kvpack.attention``) attends over both with
+``kvpack.attention_math.shared_prefix_attention``. It is the shared-prefix layout of prefix-sharing decoders
+(vLLM's prefix caching, SGLang's RadixAttention) reduced to one prefix.
+
+Positions are the caller's (``position_ids``); the cache only stores entries. Which suffix entries a row sees is
+given at construction (``valid``: left padding) and by causality.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+__all__ = ["SharedContextLayer", "shared_context_cache"]
+
+
+class SharedContextLayer(CacheLayerMixin):
+    """One layer: the context's entries once, plus each row's suffix.
+
+    Args:
+        keys, values: ``[kv_heads, context, head_dim(_v)]`` the context's entries (post-RoPE), shared by every row
+            (kept as views).
+        valid: ``[batch, capacity]`` bool: suffix slots that hold a real token (``False``: left padding).
+
+    Attributes:
+        context_keys, context_values: ``[1, kv_heads, context, head_dim(_v)]``.
+        keys, values: ``[batch, kv_heads, capacity, head_dim(_v)]`` the suffix buffers, filled up to ``filled``.
+        valid, filled: as above; ``filled``: suffix slots written so far (tokens fed).
+
+    ``update`` raises ``ValueError`` when more tokens are fed than ``capacity``.
+    """
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor):
+        super().__init__()
+        batch, capacity = valid.shape
+        self.context_keys, self.context_values = keys[None], values[None]
+        self.keys = keys.new_empty(batch, keys.shape[0], capacity, keys.shape[-1])
+        self.values = values.new_empty(batch, values.shape[0], capacity, values.shape[-1])
+        self.valid, self.filled = valid, 0
+        self.is_initialized = True
+        self.dtype, self.device = keys.dtype, keys.device
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # noqa: D102 - always initialised
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write ``[batch, kv_heads, new, head_dim]`` states into the next suffix slots; return the suffix so far,
+        the keys tagged with this layer (``kvpack.attention`` then attends over the context as well)."""
+        start, new = self.filled, key_states.shape[-2]
+        if start + new > self.keys.shape[-2]:
+            raise ValueError(f"shared-context cache: {start + new} tokens fed, capacity {self.keys.shape[-2]}")
+        self.keys[:, :, start : start + new] = key_states
+        self.values[:, :, start : start + new] = value_states
+        self.filled = start + new
+        keys = self.keys[:, :, : self.filled]
+        keys._kvpack_shared = self
+        return keys, self.values[:, :, : self.filled]
+
+    def visible(self, q_len: int) -> torch.Tensor:
+        """``[batch, q_len, filled]`` bool: the suffix entries each of the last ``q_len`` fed tokens sees (valid and
+        not after it)."""
+        n = self.filled
+        slots = torch.arange(n, device=self.device)
+        causal = slots[None, :] <= (n - q_len + torch.arange(q_len, device=self.device))[:, None]
+        return self.valid[:, None, :n] & causal[None]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """Logical sizes (the ``"kvpack"`` attention builds its own visibility; no mask is read)."""
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """Context tokens plus the suffix slots filled."""
+        return self.context_keys.shape[-2] + self.filled
+
+    def get_max_length(self) -> int:
+        """No maximum (-1)."""
+        return -1
+
+    def reset(self) -> None:
+        """Empty the suffix."""
+        self.filled = 0
+
+
+def shared_context_cache(keys: list[torch.Tensor], values: list[torch.Tensor], valid: torch.Tensor) -> Cache:
+    """A ``transformers.Cache`` of ``SharedContextLayer``s, one per layer.
+
+    Args:
+        keys, values: per layer ``[kv_heads, context, head_dim(_v)]`` (a ``Prefill``'s ``keys`` / ``values``).
+        valid: ``[batch, capacity]`` bool, the rows' real suffix slots (``SharedContextLayer``).
+
+    Returns:
+        The cache; the model must run the ``"kvpack"`` attention (``kvpack.attention.use_kvpack_attention``) and be
+        given ``position_ids``. Raises nothing of its own.
+    """
+    return Cache(layers=[SharedContextLayer(k, v, valid) for k, v in zip(keys, values)])
