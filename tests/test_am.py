@@ -155,8 +155,12 @@ def test_context_attention_is_softmax_attention_with_its_log_sum_exp(dv):
     torch.testing.assert_close(out.double(), logits.softmax(-1) @ V.double(), atol=1e-5, rtol=1e-5)
 
 
-def test_rms_attention_is_the_root_mean_square_of_the_softmax_over_queries():
-    """``selection="rms"``'s scores: sqrt(mean over queries of softmax(scaling Q K^T)^2) per key, against float64."""
+@pytest.mark.parametrize("rows_per_chunk", [None, 7, 1])
+def test_rms_attention_is_the_root_mean_square_of_the_softmax_over_queries(monkeypatch, rows_per_chunk):
+    """``selection="rms"``'s scores: sqrt(mean over queries of softmax(scaling Q K^T)^2) per key, against float64;
+    the same in one chunk of query rows, in ragged chunks of 7 (40 rows) and row by row."""
+    if rows_per_chunk:
+        monkeypatch.setattr("kvpack.methods.am_fit.CHUNK_ELEMENTS", rows_per_chunk * 70)
     gen = torch.Generator().manual_seed(6)
     Q, K = torch.randn(40, 16, generator=gen) * 3, torch.randn(70, 16, generator=gen)
     want = ((Q.double() @ K.double().T) * 0.4).softmax(-1).pow(2).mean(0).sqrt()
@@ -166,9 +170,13 @@ def test_rms_attention_is_the_root_mean_square_of_the_softmax_over_queries():
     assert int(got.argmax()) == int(want.argmax())
 
 
-def test_max_attention_is_the_largest_softmax_probability_over_queries():
+@pytest.mark.parametrize("rows_per_chunk", [None, 7])
+def test_max_attention_is_the_largest_softmax_probability_over_queries(monkeypatch, rows_per_chunk):
     """``score_queries="reference"``'s scores: KVzip's rule, max over queries of softmax(scaling Q K^T), against
-    float64; not the RMS (a key one query attends to sharply outranks one many attend to mildly)."""
+    float64, in one chunk of query rows or ragged chunks of 7; not the RMS (a key one query attends to sharply
+    outranks one many attend to mildly)."""
+    if rows_per_chunk:
+        monkeypatch.setattr("kvpack.methods.am_fit.CHUNK_ELEMENTS", rows_per_chunk * 70)
     gen = torch.Generator().manual_seed(8)
     Q, K = torch.randn(40, 16, generator=gen) * 3, torch.randn(70, 16, generator=gen)
     want = ((Q.double() @ K.double().T) * 0.4).softmax(-1).amax(0)
