@@ -256,6 +256,12 @@ def _attention_with_lse_explicit(query, k, v, visible, scaling, query_block: int
     return out.transpose(1, 2).contiguous(), torch.cat(lses, dim=1).unsqueeze(0)
 
 
+def _refuse_softcap_and_sinks(kwargs: dict) -> None:
+    """``UnsupportedModelError`` for attention soft-capping or learned attention sinks, which kvpack does not do."""
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise UnsupportedModelError("attention soft-capping and attention sinks are not supported by kvpack")
+
+
 def kvpack_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                              **kwargs):
     """The function registered as ``"kvpack"``; signature of transformers' attention interface."""
@@ -282,8 +288,7 @@ def kvpack_attention_forward(module, query, key, value, attention_mask, dropout:
             return attention_with_lse(query, key, value, scale, window)[0], None
     shared = getattr(key, "_kvpack_shared", None)
     if shared is not None:  # a batch continuing one context held once (kvpack.shared_context)
-        if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-            raise UnsupportedModelError("attention soft-capping and attention sinks are not supported by kvpack")
+        _refuse_softcap_and_sinks(kwargs)
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         sink = _QUERY_SINK.get()
         if sink is not None:
@@ -294,14 +299,9 @@ def kvpack_attention_forward(module, query, key, value, attention_mask, dropout:
     if layer is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        sink = _QUERY_SINK.get()
-        if sink is not None:  # Attention Matching's batched self-study (kvpack.methods.am_selfstudy)
-            sink(getattr(module, "layer_idx", None), query, query.shape[-1] ** -0.5 if scaling is None else scaling)
-
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        raise UnsupportedModelError("attention soft-capping and attention sinks are not supported by kvpack")
+    _refuse_softcap_and_sinks(kwargs)
     if query.shape[0] != 1:
         raise UnsupportedModelError("a kvpack cache serves one sequence at a time (batch size 1)")
     if scaling is None:
@@ -337,7 +337,7 @@ def _visibility(positions: torch.Tensor, q_len: int, sliding_window: int | None)
 
 @contextlib.contextmanager
 def queries_to(sink):
-    """Within this context every attention call over an ordinary cache (not a kvpack one) first hands
+    """Within this context every attention call over a shared-context cache (``kvpack.shared_context``) first hands
     ``sink(layer_idx, query, scaling)`` its queries, ``query`` ``[batch, heads, q, head_dim]`` after q-norm and
     RoPE (``layer_idx`` is the attention module's, or ``None``). Attention Matching's batched self-study records
     its reference queries this way (``kvpack.methods.am_selfstudy``)."""

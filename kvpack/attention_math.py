@@ -103,7 +103,8 @@ def shared_prefix_attention(query: torch.Tensor, prefix_key: torch.Tensor, prefi
         scaling: the softmax temperature.
 
     Returns:
-        ``[b, heads, q, d_v]`` in the query's dtype.
+        ``[b, heads, q, d_v]`` in the query's dtype. Raises nothing beyond torch's errors for mismatched shapes.
+        The split into two partial softmaxes follows FlashAttention's (arXiv 2205.14135 §3.1).
     """
     b, heads, q_len, dim = query.shape
     kv_heads = prefix_key.shape[1]
