@@ -240,9 +240,9 @@ def test_self_study_queries_are_deterministic_and_pool_with_the_repeat_pass():
     assert sum(p.shape[1] for p in longer._reservoirs[0].parts) >= sum(p.shape[1] for p in a._reservoirs[0].parts)
 
 
-def _self_study_rows(tokens: int, batched_off: bool, prompts=None):
+def _self_study_rows(tokens: int, batched_off: bool, prompts=None, fed: list | None = None, **sampling):
     """Per compressed layer the recorded self-study queries ``[kv_heads, rows, d]``, rows sorted (the batched and
-    one-by-one paths record the same rows in another order)."""
+    one-by-one paths record the same rows in another order); ``fed`` gets each prompt's fed token ids."""
     from kvpack.methods.am import QueryReservoir
     from kvpack.methods.am_selfstudy import PROMPTS, self_study_queries
 
@@ -251,7 +251,8 @@ def _self_study_rows(tokens: int, batched_off: bool, prompts=None):
     prefix = layout.prefix_ids(tok)
     full = prefill(model, prefix + layout.encode(tok, TEXT), len(prefix), layout, spec, 40)
     res = [QueryReservoir(spec.num_kv_heads, 50_000) for _ in spec.compressed_layers]
-    self_study_queries(model, tok, full, res, tokens, prompts or PROMPTS, batched_off=batched_off)
+    self_study_queries(model, tok, full, res, tokens, prompts or PROMPTS, batched_off=batched_off, fed=fed,
+                       **sampling)
     out = []
     for r in res:
         q = torch.cat(r.parts, dim=1)
@@ -271,6 +272,42 @@ def test_batched_self_study_records_the_same_queries_as_one_prompt_at_a_time():
         for x, y in zip(batched, single):
             assert x.shape == y.shape and x.shape[1] > 0
             torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+
+
+def test_sampled_self_study_is_seeded_and_the_batch_draws_what_one_prompt_at_a_time_draws():
+    """With a temperature the answers are sampled (the paper's decoding): one seed gives the same tokens twice and
+    in both paths (each prompt has its own generator), another seed or greedy decoding gives other tokens."""
+    prompts = ("Summarize.", "Aggregate all the key facts mentioned in the context, please.", "List names.")
+    runs = {}
+    for name, off, sampling in (("batched", False, {"temperature": 5.0, "seed": 3}),
+                                ("again", False, {"temperature": 5.0, "seed": 3}),
+                                ("single", True, {"temperature": 5.0, "seed": 3}),
+                                ("other seed", False, {"temperature": 5.0, "seed": 4}),
+                                ("greedy", False, {})):
+        fed = []
+        rows = _self_study_rows(8, off, prompts, fed, **sampling)
+        runs[name] = (fed, rows)
+    fed, rows = runs["batched"]
+    assert all(len(f) > 0 for f in fed)
+    assert runs["again"][0] == fed and all(torch.equal(x, y) for x, y in zip(runs["again"][1], rows))
+    assert runs["single"][0] == fed
+    for x, y in zip(runs["single"][1], rows):
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+    assert runs["other seed"][0] != fed and runs["greedy"][0] != fed
+
+
+def test_sampling_keeps_only_the_top_k_tokens():
+    """The warped distribution puts no mass outside the ``TOP_K`` largest logits: a draw from logits whose top
+    ``TOP_K`` are the last ids never picks another (drawn many times)."""
+    from kvpack.methods.am_selfstudy import TOP_K, _NextToken
+
+    vocab = 200
+    logits = torch.zeros(1, vocab)
+    logits[0, -TOP_K:] = torch.linspace(0.1, 0.2, TOP_K)  # nearly flat: top-p 0.8 keeps most of the 20
+    choose = _NextToken(1, 1.0, seed=0)
+    drawn = {int(choose(logits, [0])[0]) for _ in range(300)}
+    assert drawn <= set(range(vocab - TOP_K, vocab)) and len(drawn) > 5
+    assert int(_NextToken(1, 0.0, seed=0)(logits, [0])[0]) == vocab - 1  # greedy: the argmax
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -335,7 +372,8 @@ def test_new_options_are_flags_and_specs_with_their_checks():
     from kvpack.methods.params import command_line_options
 
     flags = {o.flag: o for o in command_line_options()}
-    for flag in ("--budgets", "--max-head-ratio", "--recent", "--schedule", "--select", "--reference"):
+    for flag in ("--budgets", "--max-head-ratio", "--recent", "--schedule", "--select", "--reference",
+                 "--self-study-tokens", "--self-study-temperature", "--self-study-seed"):
         assert flag in flags
     assert "omp" in flags["--select"].choices and "self-study+repeat" in flags["--reference"].choices
     assert {u[0] for u in flags["--max-head-ratio"].uses} == {"kvzip", "am", "snapkv", "pyramidkv"}
@@ -343,7 +381,8 @@ def test_new_options_are_flags_and_specs_with_their_checks():
         "am", {"budgets": "uniform", "recent": 0, "max_head_ratio": 0.5, "selection": "omp"})
     assert parse_method_spec("kvzip[max_head_ratio=0.75]") == ("kvzip", {"max_head_ratio": 0.75})
     for bad in ({"budgets": "even"}, {"recent": -1}, {"queries": 50_001}, {"reference": "ss"},
-                {"selection": "lasso"}, {"self_study_tokens": 0}):
+                {"selection": "lasso"}, {"self_study_tokens": 0}, {"self_study_temperature": -0.1},
+                {"self_study_temperature": float("nan")}, {"self_study_temperature": "hot"}, {"self_study_seed": -1}):
         with pytest.raises(InputError):
             get_method("am", **bad)
     assert get_method("am", queries=50_000).queries == 50_000

@@ -96,8 +96,8 @@ def packs_for(model, tok, text: str, ratios: list[float], queries: int, budgets=
     scorers, source_seconds, source_scores = {}, {}, {}
 
     def source_of(p: dict) -> tuple:
-        keys = ("reference", "continue_tokens", "self_study_tokens", "queries", "on_policy", "ridge_search",
-                "score_queries")
+        keys = ("reference", "continue_tokens", "self_study_tokens", "self_study_temperature", "self_study_seed",
+                "queries", "on_policy", "ridge_search", "score_queries")
         return tuple((k, p[k]) for k in keys if k in p)
 
     out, spent = {}, {name: 0.0 for name in variants}

@@ -173,6 +173,9 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             ``kvpack.methods.am_continue``), ``"both"`` (one pool of the two), ``"self-study"`` or
             ``"self-study+repeat"``, ``"prefill"`` or ``"prefill+repeat"``.
         self_study_tokens: answer tokens per self-study prompt at most (default 64), ``>= 1``.
+        self_study_temperature: ``0`` (default) answers the self-study prompts greedily; ``> 0`` samples them at
+            that temperature with top-k 20 and top-p 0.8, as the paper's code does (its temperature: 0.7).
+        self_study_seed: the sampled answers' seed, ``>= 0`` (``kvpack.methods.am_selfstudy``).
         continue_tokens: sampled tokens for ``"continue"`` and ``"both"`` (one decode step each), ``>= 1``.
         ridge: the values' least squares regularised by ``ridge x mean(diag(X^T X))`` (``am_fit.least_squares``),
             in ``[0, 1]``; 0 (default) is the paper's plain least squares. Plain least squares fits the repeat
@@ -253,7 +256,8 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             from .am_selfstudy import self_study_queries
 
             studied = self_study_queries(model, tokenizer, prefill, self._new_reservoirs(prefill),
-                                         self.self_study_tokens, fed=self._sequences)
+                                         self.self_study_tokens, fed=self._sequences,
+                                         temperature=self.self_study_temperature, seed=self.self_study_seed)
             if self.reference == "self-study":
                 self._reservoirs = studied
             else:  # one pool, subsampled to ``queries`` by ``QueryReservoir.split``

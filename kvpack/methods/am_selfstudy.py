@@ -4,11 +4,14 @@ the cached context, and the queries of the prompt and answer tokens are recorded
 
 Each prompt of ``PROMPTS`` (the official specs' conversation starters ``summarize``, ``aggregate`` and
 ``structure_json``, and the ``3_question`` seed prompt) is laid out as a question after the context
-(``ChatLayout.question_ids``) and answered greedily for at most ``tokens`` tokens (stopping at end-of-sequence),
-over the full prefilled cache. Greedy decoding makes the queries a function of the context alone: no seed is needed
-and two builds record the same queries. The paper generates up to 2,048 answer tokens per prompt with thinking
-enabled; kvpack bounds the cost to ``tokens`` forward calls per prompt (the prompt, then ``tokens - 1`` answer
-tokens).
+(``ChatLayout.question_ids``) and answered for at most ``tokens`` tokens (stopping at end-of-sequence), over the
+full prefilled cache. By default the answers are greedy, so the queries are a function of the context alone. With
+``temperature > 0`` they are sampled as the official code samples its self-study answers without thinking
+(``SelfStudyConfig``: temperature 0.7, top-k 20, top-p 0.8), through transformers' logits warpers, each prompt
+from its own ``torch.Generator`` seeded by ``(seed, prompt index)``: two builds with one seed record the same
+queries, and the batch draws the same tokens as one prompt at a time. The paper generates up to 2,048 answer
+tokens per prompt (4,096 with thinking for its questions); kvpack bounds the cost to ``tokens`` forward calls per
+prompt (the prompt, then ``tokens - 1`` answer tokens).
 
 The prompts are answered as one batch (``_batched``) when the model has no sliding-window layers: the context's
 KV held once (``kvpack.shared_context``: each decode step attends every row's queries over the shared context in one
@@ -28,7 +31,7 @@ from ..prefill import Prefill
 from ..shared_context import shared_context_cache
 from .am_continue import recording_cache
 
-__all__ = ["PROMPTS", "self_study_queries"]
+__all__ = ["PROMPTS", "TOP_K", "TOP_P", "self_study_queries"]
 
 #: The paper code's self-study prompts (``conversation_specs.py``: summarize, aggregate, structure_json,
 #: 3_question).
@@ -41,13 +44,43 @@ PROMPTS = (
     "and options (do not say the correct answer), each one separated with 2 newlines.",
 )
 
+#: The official code's sampling of self-study answers without thinking (``SelfStudyConfig``'s note), used with
+#: ``temperature > 0`` (the paper's temperature is 0.7).
+TOP_K, TOP_P = 20, 0.8
+
+
+class _NextToken:
+    """Each row's next token from its logits: the argmax, or with ``temperature > 0`` a draw from the warped
+    distribution (temperature, then top-k ``TOP_K``, then top-p ``TOP_P``, transformers' order) with prompt
+    ``i``'s own generator, seeded ``seed * 1,000,003 + i``."""
+
+    def __init__(self, prompts: int, temperature: float, seed: int):
+        self.warpers = None
+        if temperature > 0:
+            from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                                TopKLogitsWarper, TopPLogitsWarper)
+
+            self.warpers = LogitsProcessorList([TemperatureLogitsWarper(float(temperature)),
+                                                TopKLogitsWarper(TOP_K), TopPLogitsWarper(TOP_P)])
+            self.generators = [torch.Generator().manual_seed(int(seed) * 1_000_003 + i) for i in range(prompts)]
+
+    def __call__(self, logits: torch.Tensor, prompt_ids: list[int]) -> torch.Tensor:
+        """``logits`` ``[rows, vocab]``, row ``r`` answering prompt ``prompt_ids[r]`` -> ``[rows]`` int64 token
+        ids (on the logits' device)."""
+        logits = logits.float()
+        if self.warpers is None:
+            return logits.argmax(dim=-1)
+        probs = torch.softmax(self.warpers(None, logits), dim=-1).cpu()
+        drawn = [torch.multinomial(probs[r], 1, generator=self.generators[i]) for r, i in enumerate(prompt_ids)]
+        return torch.cat(drawn).to(logits.device)
+
 
 @torch.inference_mode()
 def self_study_queries(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int,
-                       prompts: tuple[str, ...] = PROMPTS, batched_off: bool = False, fed: list | None = None
-                       ) -> list:
-    """Answer each prompt greedily for at most ``tokens`` tokens after the context and add each compressed layer's
-    queries (prompt and answer tokens) to its reservoir.
+                       prompts: tuple[str, ...] = PROMPTS, batched_off: bool = False, fed: list | None = None,
+                       temperature: float = 0.0, seed: int = 0) -> list:
+    """Answer each prompt for at most ``tokens`` tokens after the context (greedily, or sampled: module docstring)
+    and add each compressed layer's queries (prompt and answer tokens) to its reservoir.
 
     Args:
         model: the causal LM whose ``prefill`` this is; tokenizer: its tokenizer.
@@ -58,13 +91,17 @@ def self_study_queries(model, tokenizer, prefill: Prefill, reservoirs: list, tok
         batched_off: answer one prompt at a time even where the batch would apply (tests compare the two).
         fed: if given, each prompt's token ids as fed after the context (prompt, then the answer tokens fed) are
             appended to it as a list of ints, for replaying them (``am_policy.replayed_queries``).
+        temperature: ``0`` (default) answers greedily; ``> 0`` samples at that temperature with top-k ``TOP_K`` and
+            top-p ``TOP_P`` (the paper's: 0.7).
+        seed: the sampled answers' seed, ``>= 0`` (unused when greedy).
 
     Returns:
         ``reservoirs``, filled. Raises nothing of its own.
     """
+    choose = _NextToken(len(prompts), temperature, seed)
     if not prefill.spec.sliding_layers and not batched_off:
-        return _batched(model, tokenizer, prefill, reservoirs, tokens, prompts, fed)
-    return _one_by_one(model, tokenizer, prefill, reservoirs, tokens, prompts, fed)
+        return _batched(model, tokenizer, prefill, reservoirs, tokens, prompts, fed, choose)
+    return _one_by_one(model, tokenizer, prefill, reservoirs, tokens, prompts, fed, choose)
 
 
 def _room(model, prefill: Prefill, prompt_tokens: int, tokens: int) -> int:
@@ -74,11 +111,11 @@ def _room(model, prefill: Prefill, prompt_tokens: int, tokens: int) -> int:
     return tokens if limit is None else min(tokens, int(limit) - prefill.tokens - prompt_tokens)
 
 
-def _one_by_one(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, prompts, fed: list | None
-                ) -> list:
+def _one_by_one(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, prompts, fed: list | None,
+                choose: _NextToken) -> list:
     cache, device = recording_cache(model, prefill, reservoirs)
     eos = tokenizer.eos_token_id
-    for prompt in prompts:
+    for index, prompt in enumerate(prompts):
         cache.rewind()
         ids = prefill.layout.question_ids(tokenizer, prompt)
         room = _room(model, prefill, len(ids), tokens)
@@ -89,7 +126,7 @@ def _one_by_one(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: in
         for _ in range(room):
             sequence.extend(x[0].tolist())
             logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[0, -1]
-            nxt = int(logits.float().argmax())
+            nxt = int(choose(logits[None], [index])[0])
             if eos is not None and nxt == eos:
                 break
             x = torch.tensor([[nxt]], device=device)
@@ -99,7 +136,8 @@ def _one_by_one(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: in
     return reservoirs
 
 
-def _batched(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, prompts, fed: list | None) -> list:
+def _batched(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, prompts, fed: list | None,
+             choose: _NextToken) -> list:
     """The prompts as one batch continuing the context held once (module docstring); the same tokens' queries as
     ``_one_by_one`` (a row stops at its end-of-sequence token, which is not fed, or after ``room`` calls)."""
     use_kvpack_attention(model)
@@ -107,15 +145,15 @@ def _batched(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, 
     eos = tokenizer.eos_token_id
     ids = [prefill.layout.question_ids(tokenizer, p) for p in prompts]
     kept = []
-    for x in ids:  # as _one_by_one: stop at the first prompt with no positions left; a room of 0 records nothing
-        room = _room(model, prefill, len(x), tokens)
+    for index, x in enumerate(ids):  # as _one_by_one: stop at the first prompt with no positions left; a room of
+        room = _room(model, prefill, len(x), tokens)  # 0 records nothing
         if room < 0:
             break
         if room > 0:
-            kept.append((x, room))
+            kept.append((x, room, index))
     if not kept:
         return reservoirs
-    ids, rooms = [x for x, _ in kept], [r for _, r in kept]
+    ids, rooms, indices = [x for x, _, _ in kept], [r for _, r, _ in kept], [i for _, _, i in kept]
     batch, width, n = len(ids), max(len(x) for x in ids), prefill.tokens
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
     x = torch.tensor([[pad] * (width - len(r)) + r for r in ids], device=device)
@@ -149,7 +187,7 @@ def _batched(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, 
                         sequences[b].append(int(x[b, 0]))
             logits = model(input_ids=x, position_ids=positions, past_key_values=cache, use_cache=True,
                            logits_to_keep=1).logits[:, -1]
-            nxt = logits.float().argmax(dim=-1)
+            nxt = choose(logits, indices)
             active &= step + 1 < calls  # row b makes rooms[b] calls at most
             if eos is not None:
                 active &= nxt != eos

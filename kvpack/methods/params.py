@@ -227,7 +227,12 @@ class AttentionMatchingParams(KVzipParams):
                                       "self-study+repeat, the context's own prefill queries (free), or "
                                       "prefill+repeat", choices=REFERENCES)
     continue_tokens: int = 512
-    self_study_tokens: int = 64
+    self_study_tokens: int = option(64, "answer tokens per self-study prompt at most (one decode step each; the "
+                                        "paper's answers run to 2,048)", low=1)
+    self_study_temperature: float = option(0.0, "0: greedy self-study answers; above 0 sampled at this temperature "
+                                                "with top-k 20 and top-p 0.8, as the paper's code does (its "
+                                                "temperature: 0.7)", low=0.0)
+    self_study_seed: int = option(0, "seed of sampled self-study answers", low=0)
     # least squares fitted to the reference queries can extrapolate far beyond the data, which other queries then
     # read: on a held-out SmolLM2 passage at keep 0.1 the unbounded fit lost +1.05 nats/token against KVzip's +0.14
     # (BENCHMARKS.md, "Issue 28, fifteenth session"); packs built before the bound read as value_bound=0
@@ -260,6 +265,9 @@ class AttentionMatchingParams(KVzipParams):
         check_choice(self.name, "score_queries", self.score_queries, SCORE_QUERIES)
         check_int(self.name, "recent", self.recent, 0)
         check_int(self.name, "self_study_tokens", self.self_study_tokens, 1)
+        check_float(self.name, "self_study_temperature", self.self_study_temperature, 0.0, 100.0)
+        self.self_study_temperature = float(self.self_study_temperature)
+        check_int(self.name, "self_study_seed", self.self_study_seed, 0)
         if self.schedule is not None:
             if not isinstance(self.schedule, (str, Path)):
                 raise InputError(f"am: schedule must be a file path, got {self.schedule!r}")
