@@ -119,38 +119,93 @@ def test_kvzip_and_snapkv_cap_is_off_by_default_and_caps_when_asked():
 # OMP
 
 
-def _omp_by_hand(keys, queries, scaling, t):
-    """The same greedy, one key per step, written with explicit loops (the reference OMP)."""
-    _, lse = context_attention(queries, keys, keys, scaling)
-    E = ((queries @ keys.T) * scaling - lse[:, None]).exp()
-    y = torch.ones(E.shape[0])
-    chosen, current = [], torch.zeros_like(y)
-    for _ in range(t):
-        r = y - current
-        best, best_c = None, -math.inf
-        for j in range(keys.shape[0]):
-            if j in chosen:
-                continue
-            c = float(sum(E[i, j] * r[i] for i in range(E.shape[0])))
-            if c > best_c:
-                best, best_c = j, c
-        chosen.append(best)
-        sel = torch.tensor(sorted(chosen))
-        current = E[:, sel] @ nnls_box(E[:, sel], y, math.exp(BETA_RANGE[0]), math.exp(BETA_RANGE[1]))
-    return sorted(chosen)
+def _omp_by_hand(keys, queries, scaling, t, forced=(), schedule=((300, 1, 1), (None, 4, 2))):
+    """The official AM-OMP written out in float64 numpy with explicit loops (the reference): greedy by correlation
+    with the mass residual, weights by least squares clamped to [1e-12, e^7] (lazily, per ``schedule``), then keys
+    with beta < -7 dropped and replaced (3 rounds at most). Returns the sorted keys and how many were dropped."""
+    import numpy as np
+
+    lo, hi = 1e-12, math.exp(7.0)
+    logits = (queries.double() @ keys.double().T).numpy() * scaling
+    E = np.exp(logits - np.log(np.exp(logits).sum(axis=1, keepdims=True)))
+    y = np.ones(E.shape[0])
+
+    def solve(S):
+        return np.clip(np.linalg.lstsq(E[:, S], y, rcond=None)[0], lo, hi) if S else np.zeros(0)
+
+    S, excluded, dropped = list(forced), set(), 0
+    w, step, rounds, fresh = solve(S), 0, 0, True
+    while True:
+        if len(S) < t:
+            r = y - E[:, S] @ w
+            corr = {j: sum(E[i, j] * r[i] for i in range(E.shape[0]))
+                    for j in range(E.shape[1]) if j not in S and j not in excluded}
+            k, interval = next((k, iv) for below, k, iv in schedule if below is None or len(S) < below)
+            k = min(k, t - len(S), len(corr))
+            if k == 0:
+                break
+            new = sorted(corr, key=lambda j: -corr[j])[:k]
+            S += new
+            if fresh or step % interval == 0:
+                w, fresh = solve(S), False
+            else:
+                w = np.concatenate([w, np.full(k, lo)])
+            step += 1
+            continue
+        if rounds >= 3:
+            break
+        rounds += 1
+        drop = [j for j, wj in zip(S, solve(S)) if math.log(wj) < -7 and j not in forced]
+        if not drop:
+            break
+        dropped += len(drop)
+        excluded |= set(drop)
+        S = [j for j in S if j not in drop]
+        w, step, fresh = solve(S), step + 1, True
+    return sorted(S), dropped
 
 
-def test_omp_matches_the_greedy_by_hand_on_a_tiny_head():
-    gen = torch.Generator().manual_seed(3)
-    keys, queries = torch.randn(9, 4, generator=gen), torch.randn(12, 4, generator=gen)
-    for t in (1, 3, 5):
-        got = omp_select(keys, queries, 0.5, t, steps=t)  # one key per step
-        assert got.tolist() == _omp_by_hand(keys, queries, 0.5, t)
+def test_omp_matches_the_official_greedy_written_out_by_hand(monkeypatch):
+    """Random small heads, budgets from 1 to all but one key, with and without a forced key, under the official
+    schedule (one key and one solve per step here) and under a compressed one that exercises several keys per step
+    and the lazy solves; some instances drop keys (beta < -7), so the refinement is checked too."""
+    import kvpack.methods.am_omp as am_omp
+
+    drops = 0
+    for schedule in (am_omp.SCHEDULE, ((2, 1, 1), (5, 2, 2), (None, 3, 2))):
+        monkeypatch.setattr(am_omp, "SCHEDULE", schedule)
+        for seed in range(6):
+            gen = torch.Generator().manual_seed(seed)
+            keys, queries = torch.randn(12, 4, generator=gen), 1.5 * torch.randn(40, 4, generator=gen)
+            for t in (1, 3, 6, 11):
+                for forced in ((), (11,)):
+                    want, dropped = _omp_by_hand(keys, queries, 0.5, t, forced, schedule)
+                    got = omp_select(keys, queries, 0.5, t, torch.tensor(forced, dtype=torch.int64))
+                    assert got.tolist() == want, (schedule, seed, t, forced)
+                    drops += dropped
+    assert drops > 0  # the drop-and-replace rounds ran
+
+
+def test_omp_schedule_and_clamped_weights_are_the_official_ones():
+    from kvpack.methods.am_fit import W_RANGE, clamped_least_squares
+    from kvpack.methods.am_omp import _schedule
+
+    assert [_schedule(i) for i in (0, 299, 300, 1499, 1500, 10_000)] == [(1, 1), (1, 1), (2, 2), (2, 2), (4, 2),
+                                                                         (4, 2)]
+    gen = torch.Generator().manual_seed(5)
+    M, y = torch.rand(30, 5, generator=gen), torch.rand(30, generator=gen)
+    M[:, 4] = M[:, 3] * 1.001 + 0.01 * M[:, 0]  # nearly dependent: a large positive and negative weight
+    exact = torch.linalg.lstsq(M.double(), y.double()[:, None]).solution[:, 0]
+    assert float(exact.min()) < 0  # so the clamp acts
+    torch.testing.assert_close(clamped_least_squares(M, y), exact.clamp(*W_RANGE).float(), rtol=1e-4, atol=1e-12)
+    assert clamped_least_squares(M[:, :0], y).shape == (0,)
 
 
 def test_omp_finds_the_keys_that_hold_the_mass_and_keeps_forced_ones():
-    """Two keys aligned with every query hold nearly all attention: OMP's first two picks (brute force: the best
-    pair by mass error among all pairs)."""
+    """Two keys aligned with every query hold nearly all attention: OMP's picks are the best pair by mass error
+    among all pairs (brute force, with the same clamped least-squares weights)."""
+    from kvpack.methods.am_fit import clamped_least_squares
+
     gen = torch.Generator().manual_seed(4)
     keys = 0.05 * torch.randn(8, 4, generator=gen)
     keys[2] = torch.tensor([4.0, 0, 0, 0])
@@ -162,15 +217,37 @@ def test_omp_finds_the_keys_that_hold_the_mass_and_keeps_forced_ones():
 
     def err(pair):
         M = E[:, list(pair)]
-        return float((M @ nnls_box(M, y, math.exp(-3), math.exp(3), iters=50) - y).norm())
+        return float((M @ clamped_least_squares(M, y) - y).norm())
 
     best = min(itertools.combinations(range(8), 2), key=err)
-    assert omp_select(keys, queries, 1.0, 2, steps=2).tolist() == sorted(best) == [2, 6]
+    assert omp_select(keys, queries, 1.0, 2).tolist() == sorted(best) == [2, 6]
+    assert omp_select(keys, queries, 1.0, 2, shift="max").tolist() == [2, 6]
     got = omp_select(keys, queries, 1.0, 3, forced=torch.tensor([7]))
     assert 7 in got.tolist() and len(got) == 3
     assert omp_select(keys, queries, 1.0, 8).tolist() == list(range(8))
+    assert omp_select(keys, queries, 1.0, 0).tolist() == []
+    for bad in ({"t": 1, "forced": torch.tensor([0, 1])}, {"t": 9}, {"t": 2, "shift": "mean"}):
+        with pytest.raises(ValueError):
+            omp_select(keys, queries, 1.0, **bad)
+
+
+def test_fit_head_clamped_weights_are_omps_and_the_values_follow():
+    """``beta_solve="clamped"`` (AM-OMP's fit): beta is the log of the clamped least-squares weights of the kept
+    columns, which may leave the NNLS fit's [-3, 3]; the values are then fitted as for any selection."""
+    from kvpack.methods.am_fit import clamped_least_squares, fit_head
+
+    gen = torch.Generator().manual_seed(6)
+    keys, values, queries = torch.randn(10, 4, generator=gen), torch.randn(10, 3, generator=gen), \
+        2 * torch.randn(50, 4, generator=gen)
+    kept = torch.tensor([1, 4, 5, 8])
+    _, lse = context_attention(queries, keys, keys, 0.5)
+    M = ((queries @ keys[kept].T) * 0.5 - lse[:, None]).exp()
+    fit = fit_head(keys, values, queries, kept, 0.5, beta_solve="clamped")
+    torch.testing.assert_close(fit.beta, clamped_least_squares(M, torch.ones(50)).log())
+    boxed = fit_head(keys, values, queries, kept, 0.5)
+    assert float(boxed.beta.abs().max()) <= 3 + 1e-5 and not torch.allclose(fit.beta, boxed.beta)
     with pytest.raises(ValueError):
-        omp_select(keys, queries, 1.0, 1, forced=torch.tensor([0, 1]))
+        fit_head(keys, values, queries, kept, 0.5, beta_solve="lstsq")
 
 
 def test_am_omp_and_rms_selection_build_and_keep_the_split_counts():

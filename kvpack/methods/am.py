@@ -119,7 +119,9 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     ``"schedule"`` (a per-model fraction file, ``kvpack.schedule``, capped). Every head keeps its last ``recent``
     context tokens first (within its budget; kvpack's, not the paper's). Within a head, KVzip's scores
     (``selection="kvzip"``), the highest RMS attention over the reference queries (``"rms"``, the paper code's
-    ``score_method="rms"``) or OMP (``"omp"``, the paper's AM-OMP, ``kvpack.methods.am_omp``).
+    ``score_method="rms"``) or OMP (``"omp"``, the paper's AM-OMP, ``kvpack.methods.am_omp``; its beta is then
+    the clamped least squares of ``am_fit.clamped_least_squares``, in ``[-27.6, 7]``, rather than the NNLS fit in
+    ``[-3, 3]``, as the official OMP configuration has it).
 
     ``score_queries="reference"`` scores the entries for the split and the kept keys by KVzip's rule (each entry's
     largest attention within the context) over the reference queries instead of the repeat pass's
@@ -376,7 +378,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         for h in range(keys.shape[0]):
             t = int(counts[h])
             forced = torch.arange(max(0, n - min(self.recent, t)), n)
-            out[h, omp_select(keys[h], fit[h], scaling, t, forced)] = True
+            out[h, omp_select(keys[h], fit[h], scaling, t, forced, shift=self.shift)] = True
         return out
 
     def _reference_scores(self, prefill: Prefill, i: int) -> torch.Tensor:
@@ -442,7 +444,8 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             fit = fit_head(k_ctx, v_ctx, fit_q[h], kept, scaling, fit_values=self.values == "fit",
                            shift=self.shift, ridge=self.ridge, ridge_to=self.ridge_to,
                            weights=self.weights, sink_keys=keys[h, :sink],
-                           keep_design=self.ridge_search and self.values == "fit")
+                           keep_design=self.ridge_search and self.values == "fit",
+                           beta_solve="clamped" if self.selection == "omp" else "nnls")
             new_values, beta = fit.values, fit.beta
             if fit.design is not None:  # ridge_search: the candidate best on the validation queries
                 vq, vpos, vscale = self._validation_queries(prefill, i, h)

@@ -36,7 +36,12 @@ from .params import FIT_WEIGHTS, RIDGE_TARGETS
 
 __all__ = ["BETA_RANGE", "NNLS_ITERS", "RIDGE", "RIDGE_STEPS", "nnls_box", "least_squares", "HeadFit", "fit_head",
            "context_share", "context_attention", "attention_output", "relative_error", "rms_attention", "max_attention",
-           "CHUNK_ELEMENTS"]
+           "CHUNK_ELEMENTS", "W_RANGE", "clamped_least_squares", "BETA_SOLVES"]
+
+#: How ``fit_head`` solves the weights ``w = exp(beta)``: ``"nnls"`` (projected gradient in ``beta_range``, the
+#: highest-attention-keys runs' ``nnls_iters=2``, bounds ``e^-3, e^3``) or ``"clamped"`` (``clamped_least_squares``,
+#: AM-OMP's).
+BETA_SOLVES = ("nnls", "clamped")
 
 #: beta = log w is clamped to this range (the paper's configuration: w in [e^-3, e^3]).
 BETA_RANGE = (-3.0, 3.0)
@@ -169,10 +174,25 @@ def context_share(queries: torch.Tensor, sink_keys: torch.Tensor, lse: torch.Ten
     return torch.sigmoid(lse - sink_lse)
 
 
+#: Bounds of ``w = exp(beta)`` in ``clamped_least_squares`` (AM-OMP's: the official code's ``nnls_lower_bound``
+#: default and ``nnls_upper_bound=exp(7)``).
+W_RANGE = (1e-12, math.exp(7.0))
+
+
+def clamped_least_squares(M: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``[t]`` float32 ``w``: ``argmin ||M w - y||`` (float64, rank-revealing QR on CPU) clamped to ``W_RANGE``: the
+    official code's ``_nnls_pg(iters=0)``, AM-OMP's weights (arXiv 2602.16284 §3.1; ``M`` ``[n, t]``, ``y``
+    ``[n]``; ``t = 0`` gives an empty tensor). Raises nothing beyond torch's errors for mismatched shapes."""
+    if M.shape[1] == 0:
+        return M.new_zeros(0)
+    w = torch.linalg.lstsq(M.double(), y.double()[:, None], driver="gelsy" if M.device.type == "cpu" else None)
+    return w.solution[:, 0].nan_to_num_(W_RANGE[0]).clamp_(*W_RANGE).float()
+
+
 def fit_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, kept: torch.Tensor, scaling: float,
              fit_values: bool = True, beta_range: tuple[float, float] = BETA_RANGE, iters: int = NNLS_ITERS,
              shift: str = "lse", ridge: float = 0.0, ridge_to: str = "zero", weights: str = "uniform",
-             sink_keys: torch.Tensor | None = None, keep_design: bool = False) -> HeadFit:
+             sink_keys: torch.Tensor | None = None, keep_design: bool = False, beta_solve: str = "nnls") -> HeadFit:
     """Fit beta (mass matching) and, if ``fit_values``, the values of one head's kept entries (module docstring).
 
     Args:
@@ -191,11 +211,15 @@ def fit_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, ke
             the head's output over ``[sink, context]`` sees it.
         sink_keys: ``[s, d]`` float32 keys of the attention sink (kept exact), needed by ``weights="share"``.
         keep_design: also return the value fit's ``X`` and ``Y`` (``HeadFit.design``; ``am_validate``).
+        beta_solve: ``"nnls"`` (default: ``nnls_box`` in ``beta_range`` with ``iters`` steps) or ``"clamped"``
+            (``clamped_least_squares``: AM-OMP's weights, ``beta_range`` and ``iters`` unused).
 
     Returns:
-        ``HeadFit`` (``t = 0``: empty tensors). Raises ``ValueError`` for another ``shift``, ``ridge_to`` or
-        ``weights``, or ``weights="share"`` without ``sink_keys``.
+        ``HeadFit`` (``t = 0``: empty tensors). Raises ``ValueError`` for another ``shift``, ``ridge_to``,
+        ``weights`` or ``beta_solve``, or ``weights="share"`` without ``sink_keys``.
     """
+    if beta_solve not in BETA_SOLVES:
+        raise ValueError(f"fit_head: beta_solve must be one of {BETA_SOLVES}, got {beta_solve!r}")
     if ridge_to not in RIDGE_TARGETS:
         raise ValueError(f"fit_head: ridge_to must be one of {RIDGE_TARGETS}, got {ridge_to!r}")
     if weights not in FIT_WEIGHTS:
@@ -219,8 +243,9 @@ def fit_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, ke
     else:
         raise ValueError(f"fit_head: shift must be 'lse' or 'max', got {shift!r}")
     a = None if weights == "uniform" else context_share(queries, sink_keys, lse, scaling)[:, None]  # [n, 1]
-    w = nnls_box(M if a is None else M * a, y if a is None else y * a[:, 0], math.exp(beta_range[0]),
-                 math.exp(beta_range[1]), iters)
+    Mw, yw = (M, y) if a is None else (M * a, y * a[:, 0])
+    w = (clamped_least_squares(Mw, yw) if beta_solve == "clamped"
+         else nnls_box(Mw, yw, math.exp(beta_range[0]), math.exp(beta_range[1]), iters))
     mass = M @ w
     mass_error = float(((mass - y).abs() / y).mean())
     copied = values[kept]
