@@ -459,7 +459,8 @@ def test_new_options_are_flags_and_specs_with_their_checks():
     assert parse_method_spec("kvzip[max_head_ratio=0.75]") == ("kvzip", {"max_head_ratio": 0.75})
     for bad in ({"budgets": "even"}, {"recent": -1}, {"queries": 50_001}, {"reference": "ss"},
                 {"selection": "lasso"}, {"self_study_tokens": 0}, {"self_study_temperature": -0.1},
-                {"self_study_temperature": float("nan")}, {"self_study_temperature": "hot"}, {"self_study_seed": -1}):
+                {"self_study_temperature": float("nan")}, {"self_study_temperature": "hot"}, {"self_study_seed": -1},
+                {"self_study_seed": 2**32}, {"self_study_temperature": 101.0}):
         with pytest.raises(InputError):
             get_method("am", **bad)
     assert get_method("am", queries=50_000).queries == 50_000

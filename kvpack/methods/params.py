@@ -56,6 +56,9 @@ BUDGETS = ("global", "global-capped", "uniform", "schedule")
 SCORE_QUERIES = ("repeat", "reference")
 #: Most reference queries per KV head (the paper fits with up to 50,000).
 MAX_QUERIES = 50_000
+#: Largest self-study sampling temperature accepted (above it the answers are noise) and largest seed (the
+#: generators' seeds, ``seed * 1,000,003 + prompt``, stay within a 64-bit integer).
+MAX_TEMPERATURE, MAX_SEED = 100.0, 2**32 - 1
 #: Per-query shifts of Attention Matching's mass matching (``shift``; ``am_fit``'s module docstring).
 SHIFTS = ("lse", "max")
 #: What Attention Matching's values ridge shrinks them toward (``ridge_to``): zero (a plain ridge) or the selected
@@ -223,7 +226,7 @@ class AttentionMatchingParams(KVzipParams):
     shift: str = "lse"
     reference: str = option("repeat", "reference queries from KVzip's repeat pass, from 512 tokens the model "
                                       "samples after the context (slower: a decode step each), both, the "
-                                      "model's greedy answers to self-study prompts about the context, "
+                                      "model's answers to self-study prompts about the context, "
                                       "self-study+repeat, the context's own prefill queries (free), or "
                                       "prefill+repeat", choices=REFERENCES)
     continue_tokens: int = 512
@@ -231,8 +234,8 @@ class AttentionMatchingParams(KVzipParams):
                                         "paper's answers run to 2,048)", low=1)
     self_study_temperature: float = option(0.0, "0: greedy self-study answers; above 0 sampled at this temperature "
                                                 "with top-k 20 and top-p 0.8, as the paper's code does (its "
-                                                "temperature: 0.7)", low=0.0)
-    self_study_seed: int = option(0, "seed of sampled self-study answers", low=0)
+                                                "temperature: 0.7)", low=0.0, high=MAX_TEMPERATURE)
+    self_study_seed: int = option(0, "seed of sampled self-study answers", low=0, high=MAX_SEED)
     # least squares fitted to the reference queries can extrapolate far beyond the data, which other queries then
     # read: on a held-out SmolLM2 passage at keep 0.1 the unbounded fit lost +1.05 nats/token against KVzip's +0.14
     # (BENCHMARKS.md, "Issue 28, fifteenth session"); packs built before the bound read as value_bound=0
@@ -265,9 +268,12 @@ class AttentionMatchingParams(KVzipParams):
         check_choice(self.name, "score_queries", self.score_queries, SCORE_QUERIES)
         check_int(self.name, "recent", self.recent, 0)
         check_int(self.name, "self_study_tokens", self.self_study_tokens, 1)
-        check_float(self.name, "self_study_temperature", self.self_study_temperature, 0.0, 100.0)
+        check_float(self.name, "self_study_temperature", self.self_study_temperature, 0.0, MAX_TEMPERATURE)
         self.self_study_temperature = float(self.self_study_temperature)
         check_int(self.name, "self_study_seed", self.self_study_seed, 0)
+        if self.self_study_seed > MAX_SEED:
+            raise InputError(f"am: self_study_seed (--self-study-seed) must be <= {MAX_SEED}, "
+                             f"got {self.self_study_seed!r}")
         if self.schedule is not None:
             if not isinstance(self.schedule, (str, Path)):
                 raise InputError(f"am: schedule must be a file path, got {self.schedule!r}")
