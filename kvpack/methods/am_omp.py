@@ -108,10 +108,8 @@ def _exp_scores(keys: torch.Tensor, queries: torch.Tensor, scaling: float, shift
         _, lse = context_attention(q, k, k, scaling)
         E = logits.sub_(lse[:, None]).exp_()
         return E, torch.ones(E.shape[0], dtype=E.dtype, device=E.device)
-    if shift == "max":
-        E = logits.sub_(logits.amax(dim=1, keepdim=True)).exp_()
-        return E, E.sum(dim=1)
-    raise ValueError(f"omp_select: shift must be 'lse' or 'max', got {shift!r}")
+    E = logits.sub_(logits.amax(dim=1, keepdim=True)).exp_()  # "max" (omp_select checked the shift)
+    return E, E.sum(dim=1)
 
 
 def omp_select(keys: torch.Tensor, queries: torch.Tensor, scaling: float, t: int,
