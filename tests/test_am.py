@@ -18,8 +18,8 @@ from kvpack.fileformat import load_pack, pack_to_bytes
 from kvpack.generation import question_input_ids
 from kvpack.methods import get_method
 from kvpack.methods.am import QueryReservoir
-from kvpack.methods.am_fit import (attention_output, context_attention, context_share, fit_head, least_squares,
-                                   max_attention, nnls_box, rms_attention)
+from kvpack.methods.am_fit import (attention_output, context_attention, context_share, fit_head, gram,
+                                   least_squares, max_attention, nnls_box, rms_attention)
 from kvpack.layout import chat_layout
 from kvpack.model import model_spec
 from kvpack.prefill import prefill
@@ -58,6 +58,16 @@ def test_nnls_projected_gradient_reaches_the_constrained_optimum():
     y = torch.tensor([1.0, -1.0])
     assert not torch.allclose(nnls_box(M, y, 0.0, 10.0, iters=0), torch.tensor([1.0, 0.0]))
     torch.testing.assert_close(nnls_box(M, y, 0.0, 10.0, iters=500), torch.tensor([1.0, 0.0]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("t,block", [(5, 2), (7, 3), (9, 3), (12, 4), (4, 2), (40, 256)])
+def test_blocked_gram_is_the_symmetric_product(t, block):
+    # block rows on and above the diagonal, mirrored: every entry of X^T X, ragged last block included
+    X = torch.randn(50, t, generator=torch.Generator().manual_seed(t), dtype=torch.float64)
+    G = gram(X, block)
+    torch.testing.assert_close(G, X.T @ X, atol=1e-12, rtol=1e-12)
+    if t > 2 * block:  # mirrored, so exactly symmetric (a plain product may differ in the last bit)
+        assert torch.equal(G, G.T)
 
 
 def test_least_squares_matches_the_normal_equations():
@@ -340,6 +350,18 @@ def test_fit_beats_selection_on_held_out_queries_of_a_real_model():
     assert fit["held_out"] > 0 and fit["heads_unfitted"] == 0
     for fitted, selected in zip(fit["relative_error"], fit["selection_error"]):
         assert fitted < 0.5 * selected
+
+
+def test_queries_per_entry_leaves_heads_with_too_few_queries_unfitted():
+    # the tiny model's heads keep a few dozen entries each, fitted on hundreds of queries: all fitted at the default
+    # (2 queries per kept entry), none where each kept entry would need a million queries
+    _, _, fitted = _build("llama", held_out_check=False, value_bound=0)
+    _, _, guarded = _build("llama", held_out_check=False, value_bound=0, queries_per_entry=1e6)
+    assert fitted.metadata["stats"]["fit"]["heads_unfitted"] == 0
+    assert guarded.metadata["stats"]["fit"]["heads_unfitted"] == 4  # 2 layers x 2 KV heads
+    assert guarded.metadata["method_params"]["queries_per_entry"] == 1e6
+    assert all(not bool(layer.biases.any()) for layer in guarded.layers if layer.biases is not None)
+    assert any(bool(layer.biases.any()) for layer in fitted.layers if layer.biases is not None)
 
 
 def _reference_pools(arch, **options):

@@ -34,12 +34,6 @@ REFERENCES_WITH_REPEAT = ("repeat", "both", "self-study+repeat", "prefill+repeat
 REFERENCES_WITHOUT_REPEAT = ("continue", "self-study", "prefill")
 #: Seed of the deterministic query subsampling.
 QUERY_SEED = 0
-#: A head is fitted only when its fit queries outnumber its kept entries this many times (least squares needs
-#: an overdetermined system: with about as many unknowns as equations the fit interpolates noise, and it costs
-#: O(n t^2)); a head keeping more is left as KVzip selected it (beta = 0, values copied).
-OVERDETERMINED = 2
-
-
 class QueryReservoir:
     """Reference queries of one layer, pooled per KV head and subsampled deterministically.
 
@@ -143,8 +137,8 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     Failed fits: the values' least squares always returns a fit (``am_fit.least_squares``: Cholesky of the
     normal equations, then the same with the smallest ridge ``1e-6 x 10^k x mean(diag)`` that factorises, then the
     SVD pseudo-inverse), as the paper does. One guard of kvpack's own (not in the paper, which fits with up to
-    50,000 queries per head): a head keeping more than ``1 / OVERDETERMINED`` of its fit queries' count is not
-    fitted (least squares would interpolate noise; nor is a head that keeps none or all of its context entries,
+    50,000 queries per head): a head keeping more than ``1 / queries_per_entry`` of its fit queries' count is
+    not fitted (least squares would interpolate noise, at a cost of ``O(n t^2)``; nor is a head that keeps none or all of its context entries,
     where there is nothing to fit). ``held_out_check`` (on by default, though the paper has no such rule: without it
     SmolLM2 at keep 0.1 answered a planted-fact question with an empty string) keeps the
     selection (beta = 0, values copied) for a head whose fit is worse on the held-out queries. A fit whose values
@@ -166,6 +160,8 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         selection: ``"kvzip"``, ``"rms"`` or ``"omp"``.
         values: ``"fit"``, ``"copy"`` or ``"merge"``.
         queries: reference queries per KV head (fit + held out), ``16 .. 50,000``.
+        queries_per_entry: a head is fitted only where its fit queries number at least this many times its kept
+            entries (default 2, ``>= 1``; kvpack's guard, above).
         on_policy: recompute each layer's queries with the earlier layers compacted.
         held_out_check: keep KVzip's selection for a head whose fit does worse on held-out queries (default
             true: measured on SmolLM2, BENCHMARKS.md).
@@ -437,7 +433,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         err, base, ms = [], [], []
         for h in range(keys.shape[0]):
             kept = keep[i, h].nonzero().squeeze(1).to(keys.device)
-            if len(kept) in (0, keys.shape[1] - sink) or len(kept) * OVERDETERMINED > n_fit:
+            if len(kept) in (0, keys.shape[1] - sink) or len(kept) * self.queries_per_entry > n_fit:
                 tally.unfitted += 1
                 continue  # as KVzip selected it (nothing kept, or nothing evicted): beta = 0, values copied
             k_ctx, v_ctx = keys[h, sink:], values[h, sink:]

@@ -218,6 +218,10 @@ class AttentionMatchingParams(KVzipParams):
                             choices=SELECTIONS)
     values: str = option("fit", "kept values fitted by least squares, copied, or D2O-merged", choices=VALUE_MODES)
     queries: int = option(4096, "reference queries per KV head", low=16, high=MAX_QUERIES)
+    queries_per_entry: float = option(2.0, "a KV head is fitted only where its fit queries number at least this "
+                                            "many times its kept entries; a head keeping more stays as selected "
+                                            "(kvpack's guard against interpolating the queries; the paper fits "
+                                            "every head)", low=1.0, high=1e6)
     on_policy: bool = option(False, "recompute each layer's queries with the earlier layers compacted")
     # a head whose fit does worse than KVzip's own entries on held-out queries keeps KVzip's (the paper always fits):
     # on SmolLM2 at keep 0.1 the always-fit default answered a planted-fact question with an empty string, the
@@ -262,6 +266,8 @@ class AttentionMatchingParams(KVzipParams):
         check_bool(self.name, "ridge_search", self.ridge_search)
         check_choice(self.name, "values", self.values, VALUE_MODES)
         check_int(self.name, "queries", self.queries, 16)
+        check_float(self.name, "queries_per_entry", self.queries_per_entry, 1.0, 1e6)
+        self.queries_per_entry = float(self.queries_per_entry)
         if self.queries > MAX_QUERIES:
             raise InputError(f"am: queries must be an integer <= {MAX_QUERIES}, got {self.queries!r}")
         check_choice(self.name, "budgets", self.budgets, BUDGETS)

@@ -1,0 +1,50 @@
+"""Time the normal equations' Gram matrix of Attention Matching's least squares (``kvpack.methods.am_fit.gram``,
+the block rows on and above the diagonal, mirrored) against the plain product ``X.T @ X``, for one KV head at a
+real model's shapes: random ``X`` ``[queries, kept]`` (the cost depends on the shapes only), the two interleaved,
+medians of ``--repeats`` calls per width, their largest difference relative to the largest entry.
+
+    OMP_NUM_THREADS=1 python tools/bench_gram.py --queries 7300 --kept 300,600,1000,1536 --repeats 5
+
+The default ``--queries`` is SmolLM2-135M's at a 2K context with the paper's reference queries (the repeat pass's
+2,072 tokens x a GQA group of 3 plus about 1,080 self-study rows per KV head); 1,536 is about the 0.75 head cap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kvpack.methods.am_fit import gram
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--queries", type=int, default=7300, help="rows of X: fit queries of the head")
+    ap.add_argument("--kept", default="300,600,1000,1536", help="comma-separated columns of X: kept entries")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    print("| kept | X.T @ X (ms) | gram (ms) | ratio | max difference / max entry |")
+    print("|---:|---:|---:|---:|---:|")
+    for t in (int(k) for k in args.kept.split(",")):
+        X = torch.rand(args.queries, t, generator=gen)
+        plain, blocked = [], []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            G_plain = X.T @ X
+            plain.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            G = gram(X)
+            blocked.append(time.perf_counter() - t0)
+        a, b = statistics.median(plain), statistics.median(blocked)
+        diff = float((G - G_plain).abs().max() / G_plain.abs().max())
+        print(f"| {t:,} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}x | {diff:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
