@@ -178,6 +178,13 @@ def test_rms_attention_is_the_root_mean_square_of_the_softmax_over_queries(monke
     assert got.shape == (70,) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-5)
     assert int(got.argmax()) == int(want.argmax())
+    # with the values: the same scores, and the queries' attention over the context from the same chunks
+    V = torch.randn(70, 9, generator=gen)
+    rms, out, lse = rms_attention(Q, K, 0.4, values=V)
+    assert torch.equal(rms, got)
+    logits = (Q.double() @ K.double().T) * 0.4
+    torch.testing.assert_close(lse.double(), logits.logsumexp(-1), atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(out.double(), logits.softmax(-1) @ V.double(), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("rows_per_chunk", [None, 7])
@@ -350,6 +357,38 @@ def test_fit_beats_selection_on_held_out_queries_of_a_real_model():
     assert fit["held_out"] > 0 and fit["heads_unfitted"] == 0
     for fitted, selected in zip(fit["relative_error"], fit["selection_error"]):
         assert fitted < 0.5 * selected
+
+
+def test_rms_selection_hands_its_context_attention_to_the_fit(monkeypatch):
+    # with selection="rms" every fitted head gets the selection's own pass over the context (the fit attends over
+    # the context itself only when nothing was kept for it), and that is the attention of that head's fit queries
+    import kvpack.methods.am as am_module
+    import kvpack.methods.am_fit as fit_module
+
+    calls, handed = {"n": 0}, []
+    real_attention, real_fit = fit_module.context_attention, am_module.fit_head
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return real_attention(*args, **kwargs)
+
+    def checked(keys, values, queries, kept, scaling, **kwargs):
+        if kwargs.get("context") is not None:
+            out, lse = real_attention(queries, keys, values, scaling)
+            torch.testing.assert_close(kwargs["context"][0], out, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(kwargs["context"][1], lse, atol=1e-5, rtol=1e-6)
+            handed.append(queries.shape[0])
+        return real_fit(keys, values, queries, kept, scaling, **kwargs)
+
+    monkeypatch.setattr(fit_module, "context_attention", counted)
+    monkeypatch.setattr(am_module, "fit_head", checked)
+    options = dict(selection="rms", held_out_check=False, value_bound=0)
+    _, _, pack = _build("llama", **options)
+    assert len(handed) == 4 and calls["n"] == 0  # 2 layers x 2 KV heads, all fitted
+    assert pack.metadata["stats"]["fit"]["heads_unfitted"] == 0
+    monkeypatch.setattr(am_module, "CONTEXT_CACHE_BYTES", 0)  # nothing kept: every fit attends again
+    _build("llama", **options)
+    assert len(handed) == 4 and calls["n"] == 4
 
 
 def test_queries_per_entry_leaves_heads_with_too_few_queries_unfitted():

@@ -34,6 +34,9 @@ REFERENCES_WITH_REPEAT = ("repeat", "both", "self-study+repeat", "prefill+repeat
 REFERENCES_WITHOUT_REPEAT = ("continue", "self-study", "prefill")
 #: Seed of the deterministic query subsampling.
 QUERY_SEED = 0
+#: Most bytes of context attention (output and log-sum-exp of each fit query) the RMS selection keeps for the fit
+#: (``AttentionMatching._rms_scores``); heads beyond it are attended again by the fit.
+CONTEXT_CACHE_BYTES = 512 << 20
 class QueryReservoir:
     """Reference queries of one layer, pooled per KV head and subsampled deterministically.
 
@@ -204,6 +207,9 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         self._reservoirs: list[QueryReservoir] | None = None
         self._sequences = None  # on_policy: the token sequences the reference source fed (replayed per layer)
         self._rerecorded = None  # (prefill, PrefillQueries) made by _prefill_queries for a prefill without them
+        # (compressed layer, KV head) -> (fit queries, output, lse): the context attention the RMS selection computed
+        # for a head it knows will be fitted, so the fit need not attend over the context again (_rms_scores)
+        self._context_cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._schedule = self._schedule_sha256 = None
         if self.schedule is not None:
             from .. import storage
@@ -351,7 +357,9 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         counts = keep.sum(dim=2)
         if self.selection == "omp":
             return torch.stack([self._omp_keep(prefill, i, counts[i]) for i in range(layers)])
-        rms = protect_recent(torch.stack([self._rms_scores(prefill, i) for i in range(layers)]), self.recent)
+        self._context_cache.clear()
+        rms = protect_recent(torch.stack([self._rms_scores(prefill, i, counts[i]) for i in range(layers)]),
+                             self.recent)
         flat, counts = rms.reshape(layers * heads, n), counts.reshape(-1)
         if self.selection == "rms":
             return top_k_rows(flat, counts).view(keep.shape)
@@ -385,12 +393,34 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         keys = prefill.keys[prefill.spec.compressed_layers[i]][:, prefill.sink :].float()
         return torch.stack([max_attention(fit[h], keys[h], scaling) for h in range(keys.shape[0])]).cpu()
 
-    def _rms_scores(self, prefill: Prefill, i: int) -> torch.Tensor:
+    def _rms_scores(self, prefill: Prefill, i: int, counts: torch.Tensor | None = None) -> torch.Tensor:
         """``[kv_heads, context]`` float32 on CPU: the RMS over the fit queries of each context entry's attention
-        probability within the context (the paper's ``score_method="rms"``)."""
+        probability within the context (the paper's ``score_method="rms"``). With ``counts`` (``[kv_heads]``, each
+        head's kept entries), for each head that ``_fitted`` says will be fitted on these same queries (off-policy,
+        ``shift="lse"``) the same pass also computes the queries' attention over the context and keeps it for the
+        fit (``_context_cache``, up to ``CONTEXT_CACHE_BYTES``)."""
         fit, _, scaling = self._reference(i)
-        keys = prefill.keys[prefill.spec.compressed_layers[i]][:, prefill.sink :].float()
-        return torch.stack([rms_attention(fit[h], keys[h], scaling) for h in range(keys.shape[0])]).cpu()
+        layer = prefill.spec.compressed_layers[i]
+        keys = prefill.keys[layer][:, prefill.sink :].float()
+        values = prefill.values[layer][:, prefill.sink :]
+        share = counts is not None and self.shift == "lse" and not self.on_policy
+        out = []
+        for h in range(keys.shape[0]):
+            row_bytes = 4 * (values.shape[-1] + 1)
+            cached = sum(4 * c[1].numel() + 4 * c[2].numel() for c in self._context_cache.values())
+            if (share and self._fitted(int(counts[h]), keys.shape[1], fit.shape[1])
+                    and cached + fit.shape[1] * row_bytes <= CONTEXT_CACHE_BYTES):
+                rms, target, lse = rms_attention(fit[h], keys[h], scaling, values=values[h].float())
+                self._context_cache[(i, h)] = (fit, target, lse)
+            else:
+                rms = rms_attention(fit[h], keys[h], scaling)
+            out.append(rms)
+        return torch.stack(out).cpu()
+
+    def _fitted(self, kept: int, context: int, n_fit: int) -> bool:
+        """Whether a head keeping ``kept`` of its ``context`` entries is fitted on ``n_fit`` queries: something kept
+        and something evicted, and at least ``queries_per_entry`` queries per kept entry."""
+        return 0 < kept < context and kept * self.queries_per_entry <= n_fit
 
     @torch.inference_mode()
     def update_entries(self, prefill: Prefill, keep: torch.Tensor, layers: list[LayerEntries]) -> dict:
@@ -411,6 +441,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         else:
             for i in range(len(prefill.spec.compressed_layers)):
                 self._fit_layer(prefill, keep, layers, i, reservoirs, tally)
+        self._context_cache.clear()
         out = {"queries": tally.n_fit, "held_out": tally.n_held, "relative_error": tally.errors,
                "selection_error": tally.baseline, "mass_error": tally.mass, "heads_unfitted": tally.unfitted,
                "heads_rejected": tally.rejected}
@@ -433,7 +464,8 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         err, base, ms = [], [], []
         for h in range(keys.shape[0]):
             kept = keep[i, h].nonzero().squeeze(1).to(keys.device)
-            if len(kept) in (0, keys.shape[1] - sink) or len(kept) * self.queries_per_entry > n_fit:
+            cached = self._context_cache.pop((i, h), None)  # the RMS selection's pass, if on these same queries
+            if not self._fitted(len(kept), keys.shape[1] - sink, n_fit):
                 tally.unfitted += 1
                 continue  # as KVzip selected it (nothing kept, or nothing evicted): beta = 0, values copied
             k_ctx, v_ctx = keys[h, sink:], values[h, sink:]
@@ -441,7 +473,8 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                            shift=self.shift, ridge=self.ridge, ridge_to=self.ridge_to,
                            weights=self.weights, sink_keys=keys[h, :sink],
                            keep_design=self.ridge_search and self.values == "fit",
-                           beta_solve="clamped" if self.selection == "omp" else "nnls")
+                           beta_solve="clamped" if self.selection == "omp" else "nnls",
+                           context=cached[1:] if cached is not None and cached[0] is fit_q else None)
             new_values, beta = fit.values, fit.beta
             if fit.design is not None:  # ridge_search: the candidate best on the validation queries
                 vq, vpos, vscale = self._validation_queries(prefill, i, h)

@@ -213,7 +213,8 @@ def clamped_least_squares(M: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def fit_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, kept: torch.Tensor, scaling: float,
              fit_values: bool = True, beta_range: tuple[float, float] = BETA_RANGE, iters: int = NNLS_ITERS,
              shift: str = "lse", ridge: float = 0.0, ridge_to: str = "zero", weights: str = "uniform",
-             sink_keys: torch.Tensor | None = None, keep_design: bool = False, beta_solve: str = "nnls") -> HeadFit:
+             sink_keys: torch.Tensor | None = None, keep_design: bool = False, beta_solve: str = "nnls",
+             context: tuple[torch.Tensor, torch.Tensor] | None = None) -> HeadFit:
     """Fit beta (mass matching) and, if ``fit_values``, the values of one head's kept entries (module docstring).
 
     Args:
@@ -234,6 +235,8 @@ def fit_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, ke
         keep_design: also return the value fit's ``X`` and ``Y`` (``HeadFit.design``; ``am_validate``).
         beta_solve: ``"nnls"`` (default: ``nnls_box`` in ``beta_range`` with ``iters`` steps) or ``"clamped"``
             (``clamped_least_squares``: AM-OMP's weights, ``beta_range`` and ``iters`` unused).
+        context: ``context_attention(queries, keys, values, scaling)`` when the caller has it already
+            (``rms_attention(values=...)``), used with ``shift="lse"``; else it is computed here.
 
     Returns:
         ``HeadFit`` (``t = 0``: empty tensors). Raises ``ValueError`` for another ``shift``, ``ridge_to``,
@@ -251,7 +254,7 @@ def fit_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, ke
     if t == 0:
         return HeadFit(keys.new_zeros(0), values.new_zeros(0, values.shape[1]), 0.0)
     if shift == "lse":
-        target, lse = context_attention(queries, keys, values, scaling)
+        target, lse = context if context is not None else context_attention(queries, keys, values, scaling)
         M = ((queries @ keys[kept].T) * scaling - lse[:, None]).exp_()  # [n, t]: probabilities of the kept keys
         y = torch.ones_like(lse)
     elif shift == "max":
@@ -302,28 +305,47 @@ CHUNK_ELEMENTS = 1 << 22
 
 
 def _softmax_chunks(queries: torch.Tensor, keys: torch.Tensor, scaling: float):
-    """Yield ``(e, total)`` per chunk of query rows: ``e`` ``[rows, T]`` = ``exp(scaling q.k - max_t)`` (in place,
-    the caller may overwrite it) and ``total`` ``[rows]`` its row sums, so ``e / total`` is the chunk's softmax over
-    the keys. One matrix product and one exponential per chunk (``queries`` ``[n, d]``, ``keys`` ``[T, d]``)."""
+    """Yield ``(start, e, total, peak)`` per chunk of query rows from row ``start``: ``e`` ``[rows, T]`` =
+    ``exp(scaling q.k - peak)`` (in place, the caller may overwrite it), ``total`` ``[rows]`` its row sums and
+    ``peak`` ``[rows]`` each row's largest logit, so ``e / total`` is the chunk's softmax over the keys and
+    ``log(total) + peak`` its log-sum-exp. One matrix product and one exponential per chunk (``queries`` ``[n, d]``,
+    ``keys`` ``[T, d]``)."""
     q, k = queries.float(), keys.float()
     rows = max(1, CHUNK_ELEMENTS // max(1, k.shape[0]))
     for start in range(0, q.shape[0], rows):
         e = torch.matmul(q[start : start + rows], k.T).mul_(scaling)
-        e.sub_(e.amax(dim=-1, keepdim=True)).exp_()
-        yield e, e.sum(dim=-1)
+        peak = e.amax(dim=-1, keepdim=True)
+        e.sub_(peak).exp_()
+        yield start, e, e.sum(dim=-1), peak[:, 0]
 
 
-def rms_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+def rms_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float, values: torch.Tensor | None = None
+                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[T]`` float32: each key's root-mean-square attention probability over the queries,
     ``sqrt(mean_q softmax(scaling Q K^T)[q, t]^2)`` (``queries`` ``[n, d]``, ``keys`` ``[T, d]``): the paper code's
     ``score_method="rms"`` key selection (arXiv 2602.16284). In chunks of query rows (``CHUNK_ELEMENTS``), each
     one matrix product and one exponential, the squares summed as ``e^2^T (1 / total^2)``; 2x faster on one CPU
     thread than a fused call for the log-sum-exps followed by the explicit product (SmolLM2's shapes: 7,300 queries,
-    2,072 keys). ``n = 0`` gives zeros. Raises nothing beyond torch's errors for mismatched shapes."""
+    2,072 keys). ``n = 0`` gives zeros.
+
+    With ``values`` (``[T, dv]``) it returns ``(rms, output, lse)``: also the queries' attention over the context,
+    ``context_attention``'s ``[n, dv]`` and ``[n]``, from the same exponentials (one more ``[rows, T] x [T, dv]``
+    product per chunk), so a fit on these queries (``fit_head(context=...)``) need not attend over the context
+    again. Raises nothing beyond torch's errors for mismatched shapes."""
     acc = torch.zeros(keys.shape[0], dtype=torch.float32, device=keys.device)
-    for e, total in _softmax_chunks(queries, keys, scaling):
+    n = queries.shape[0]
+    if values is not None:
+        out = torch.empty(n, values.shape[-1], dtype=torch.float32, device=keys.device)
+        lse = torch.empty(n, dtype=torch.float32, device=keys.device)
+        v = values.float()
+    for start, e, total, peak in _softmax_chunks(queries, keys, scaling):
+        if values is not None:
+            stop = start + e.shape[0]
+            torch.matmul(e, v, out=out[start:stop]).div_(total[:, None])
+            torch.add(total.log(), peak, out=lse[start:stop])
         acc.addmv_(e.square_().T, total.square_().reciprocal_())
-    return acc.div_(max(1, queries.shape[0])).sqrt_()
+    rms = acc.div_(max(1, n)).sqrt_()
+    return rms if values is None else (rms, out, lse)
 
 
 def max_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -333,7 +355,7 @@ def max_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> 
     the softmax over the context alone. In chunks of query rows (``CHUNK_ELEMENTS``), each one matrix product and one
     exponential. ``n = 0`` gives zeros. Raises nothing beyond torch's errors for mismatched shapes."""
     out = torch.zeros(keys.shape[0], dtype=torch.float32, device=keys.device)
-    for e, total in _softmax_chunks(queries, keys, scaling):
+    for _, e, total, _ in _softmax_chunks(queries, keys, scaling):
         torch.maximum(out, e.div_(total[:, None]).amax(dim=0), out=out)
     return out
 
