@@ -347,6 +347,7 @@ def test_value_bound_rejects_fits_whose_values_leave_the_contexts_range(monkeypa
         fitted = 4 - fit["heads_unfitted"]  # 2 layers x 2 KV heads
         assert fitted > 0
         assert fit["heads_rejected"] == (fitted if rejected else 0), (factor, bound)
+        assert fit["heads_rejected_by"] == ({"value_bound": fitted} if rejected else {})
         same = all(torch.equal(a.values, b.values) for a, b in zip(pack.layers, kvzip.layers))
         assert same == rejected
 
@@ -389,6 +390,16 @@ def test_rms_selection_hands_its_context_attention_to_the_fit(monkeypatch):
     monkeypatch.setattr(am_module, "CONTEXT_CACHE_BYTES", 0)  # nothing kept: every fit attends again
     _build("llama", **options)
     assert len(handed) == 4 and calls["n"] == 4
+
+
+def test_info_says_which_rule_rejected_the_fits():
+    from kvpack.listing import _fit_lines
+
+    fit = {"relative_error": [0.1], "selection_error": [0.2], "mass_error": [0.01], "held_out": 256, "queries": 3840,
+           "heads_unfitted": 1, "heads_rejected": 5, "heads_rejected_by": {"value_bound": 3, "held_out_check": 2}}
+    assert "5 rejected by value_bound 3, held_out_check 2)" in _fit_lines(fit, [1])[0]
+    for hostile in (None, [1, 2], "x", {}):  # anything else, or a pack from before the rules were recorded
+        assert _fit_lines({**fit, "heads_rejected_by": hostile}, [1])[0].endswith("5 rejected)")
 
 
 def test_queries_per_entry_leaves_heads_with_too_few_queries_unfitted():

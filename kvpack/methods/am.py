@@ -151,7 +151,9 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     The pack's metadata gets ``stats["fit"]``: per compressed layer the mean relative error of the head outputs on
     the held-out queries (``relative_error``, the kept heads counted as kept), the same for KVzip's selection alone
     at the same budget (beta = 0, values copied: ``selection_error``; fitted heads only, as ``relative_error``),
-    the mean relative mass error on the fit queries of the fitted heads, and the heads left unfitted or rejected.
+    the mean relative mass error on the fit queries of the fitted heads, the heads left unfitted or rejected, and
+    how many each rule rejected (``heads_rejected_by``: ``range``, ``value_bound``, ``held_out_check``,
+    ``ridge_search``).
 
     Parameters (declared in ``kvpack.methods.params``):
         chunk_size, tail_tokens, scoring: KVzip's (its repeat pass; ``scoring="plus"`` selects by KVzip+).
@@ -444,7 +446,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         self._context_cache.clear()
         out = {"queries": tally.n_fit, "held_out": tally.n_held, "relative_error": tally.errors,
                "selection_error": tally.baseline, "mass_error": tally.mass, "heads_unfitted": tally.unfitted,
-               "heads_rejected": tally.rejected}
+               "heads_rejected": tally.rejected, "heads_rejected_by": tally.rejected_by}
         if self.ridge_search:
             out["ridge_search"] = tally.chosen
         return out
@@ -483,7 +485,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                     *fit.design, vq.to(keys.device), vpos.to(keys.device), vscale, C.MAX_KV_ABS)
                 tally.chosen[name] = tally.chosen.get(name, 0) + 1
                 if name == "selection":
-                    tally.rejected += 1
+                    tally.reject("ridge_search")
                     continue  # KVzip's entries as they are
             else:
                 if self.values == "merge" and len(kept) < k_ctx.shape[0]:
@@ -491,18 +493,18 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                     merged, target, w = merge_plan(k_ctx[kept].cpu(), k_ctx[evicted].cpu(), D2O.beta)
                     new_values = merge_rows(v_ctx[kept].cpu(), v_ctx[evicted].cpu()[merged], target, w)
                 if not bool((new_values.abs() <= C.MAX_KV_ABS).all()):  # also NaN: a value the loader refuses
-                    tally.rejected += 1
+                    tally.reject("range")
                     continue  # an ill-conditioned fit: the head stays as KVzip selected it
                 if self.value_bound > 0 and float(new_values.abs().max()) > self.value_bound * float(
                         v_ctx.abs().max()):
-                    tally.rejected += 1
+                    tally.reject("value_bound")
                     continue  # values far outside the context's own: an extrapolating fit
             if n_held:
                 e_fit, e_sel = _held_out_errors(keys[h], values[h], held_q[h], sink, kept, beta,
                                                 new_values.to(keys.device), scaling)
                 base.append(e_sel)
                 if fit.design is None and self.held_out_check and e_fit > e_sel:
-                    tally.rejected += 1
+                    tally.reject("held_out_check")
                     err.append(e_sel)
                     continue  # the fit is worse than the selection alone on held-out queries
                 err.append(e_fit)
@@ -558,6 +560,13 @@ class _FitTally:
     baseline: list = field(default_factory=list)
     mass: list = field(default_factory=list)
     chosen: dict = field(default_factory=dict)
+    rejected_by: dict = field(default_factory=dict)
+
+    def reject(self, rule: str) -> None:
+        """Count one head whose fit ``rule`` rejected (``range``: values outside float16's, ``value_bound``,
+        ``held_out_check``, ``ridge_search``: the selection validated best)."""
+        self.rejected += 1
+        self.rejected_by[rule] = self.rejected_by.get(rule, 0) + 1
 
 
 def _held_out_errors(keys, values, queries, sink, kept, beta, new_values, scaling) -> tuple[float, float]:
