@@ -233,15 +233,15 @@ def test_python_dash_m_and_version():
     (["--method", "random", "--seed", "3", "--budget", "layer"], "method\\s+random \\(budget=layer, seed=3\\)"),
     (["--method", "none"], "method\\s+none$"),
     (["--method", "am", "--select", "rms", "--values", "copy", "--queries", "64", "--on-policy"],
-     "method\\s+am \\(.*on_policy=True, queries=64, recent=16, reference=repeat, ridge=0.0, ridge_search=False, "
+     "method\\s+am \\(.*on_policy=True, queries=64, queries_per_entry=2.0, recent=16, reference=repeat, ridge=0.0, ridge_search=False, "
      "ridge_to=zero, .*scoring=attention, selection=rms, .*values=copy, weights=uniform\\)"),
     (["--method", "am", "--reference", "both", "--queries", "64"],
-     "method\\s+am \\(.*queries=64, recent=16, reference=both, .*values=fit, weights=uniform\\)"),
+     "method\\s+am \\(.*queries=64, queries_per_entry=2.0, recent=16, reference=both, .*values=fit, weights=uniform\\)"),
     (["--method", "am", "--ridge", "0.001", "--queries", "64"],
-     "method\\s+am \\(.*queries=64, recent=16, reference=repeat, ridge=0.001, ridge_search=False, ridge_to=zero, "
+     "method\\s+am \\(.*queries=64, queries_per_entry=2.0, recent=16, reference=repeat, ridge=0.001, ridge_search=False, ridge_to=zero, "
      ".*values=fit, weights=uniform\\)"),
     (["--method", "am", "--reference", "prefill", "--fit-weights", "share", "--queries", "64"],
-     "method\\s+am \\(.*queries=64, recent=16, reference=prefill, .*values=fit, weights=share\\)"),
+     "method\\s+am \\(.*queries=64, queries_per_entry=2.0, recent=16, reference=prefill, .*values=fit, weights=share\\)"),
     (["--method", "am", "--ridge-search", "--queries", "64"],
      "method\\s+am \\(.*reference=repeat, ridge=0.0, ridge_search=True, ridge_to=zero, .*values=fit, "
      "weights=uniform\\)"),
