@@ -230,9 +230,9 @@ def _fit_lines(fit, compressed: list[int]) -> list[str]:
     by = fit.get("heads_rejected_by")
     rules = ""
     if isinstance(by, dict) and by:  # which rule rejected them (packs from before it was recorded have none)
-        rules = " by " + ", ".join(f"{printable(k)} {printable(v)}" for k, v in list(by.items())[:8])
+        rules = " (" + ", ".join(f"{printable(k)}: {printable(v)}" for k, v in list(by.items())[:8]) + ")"
     head = (f"\nattention matching fit (relative error of the head outputs on {n['held_out']} held-out queries per "
-            f"KV head; {n['queries']} fit queries; heads left as selected: {n['heads_unfitted']} unfitted, "
+            f"KV head; {n['queries']} fit queries per KV head; heads left as selected: {n['heads_unfitted']} unfitted, "
             f"{n['heads_rejected']} rejected{rules})")
     cols = [fit.get(k) if isinstance(fit.get(k), list) else [] for k in ("relative_error", "selection_error",
                                                                           "mass_error")]

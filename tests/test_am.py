@@ -397,7 +397,7 @@ def test_info_says_which_rule_rejected_the_fits():
 
     fit = {"relative_error": [0.1], "selection_error": [0.2], "mass_error": [0.01], "held_out": 256, "queries": 3840,
            "heads_unfitted": 1, "heads_rejected": 5, "heads_rejected_by": {"value_bound": 3, "held_out_check": 2}}
-    assert "5 rejected by value_bound 3, held_out_check 2)" in _fit_lines(fit, [1])[0]
+    assert "5 rejected (value_bound: 3, held_out_check: 2))" in _fit_lines(fit, [1])[0]
     for hostile in (None, [1, 2], "x", {}):  # anything else, or a pack from before the rules were recorded
         assert _fit_lines({**fit, "heads_rejected_by": hostile}, [1])[0].endswith("5 rejected)")
 

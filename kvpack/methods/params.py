@@ -218,10 +218,12 @@ class AttentionMatchingParams(KVzipParams):
                             choices=SELECTIONS)
     values: str = option("fit", "kept values fitted by least squares, copied, or D2O-merged", choices=VALUE_MODES)
     queries: int = option(4096, "reference queries per KV head", low=16, high=MAX_QUERIES)
-    queries_per_entry: float = option(2.0, "a KV head is fitted only where its fit queries number at least this "
-                                            "many times its kept entries; a head keeping more stays as selected "
-                                            "(kvpack's guard against interpolating the queries; the paper fits "
-                                            "every head)", low=1.0, high=1e6)
+    queries_per_entry: float = option(2.0, "a KV head is fitted only where its fit queries (--queries less the "
+                                            "held-out ones) number at least this many times its kept entries; "
+                                            "other heads keep their selected entries as they are and show as "
+                                            "unfitted in kvpack info (kvpack's guard: with few queries per entry "
+                                            "least squares fits noise; the paper fits every head), 1 to 1e6",
+                                      low=1.0, high=1e6)
     on_policy: bool = option(False, "recompute each layer's queries with the earlier layers compacted")
     # a head whose fit does worse than KVzip's own entries on held-out queries keeps KVzip's (the paper always fits):
     # on SmolLM2 at keep 0.1 the always-fit default answered a planted-fact question with an empty string, the
