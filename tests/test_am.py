@@ -77,6 +77,16 @@ def test_least_squares_matches_the_normal_equations():
     torch.testing.assert_close(least_squares(X, Y), closed, atol=1e-5, rtol=1e-5)
 
 
+def test_least_squares_takes_the_callers_gram_matrix():
+    gen = torch.Generator().manual_seed(2)
+    X, Y, P = torch.randn(40, 7, generator=gen), torch.randn(40, 3, generator=gen), torch.randn(7, 3, generator=gen)
+    for ridge, prior in ((0.0, None), (0.01, P), (1.0, P)):
+        torch.testing.assert_close(least_squares(X, Y, ridge=ridge, prior=prior, G=gram(X)),
+                                   least_squares(X, Y, ridge=ridge, prior=prior), atol=0, rtol=0)
+    # and it is used: a different matrix gives a different answer
+    assert not torch.allclose(least_squares(X, Y, G=gram(X) * 2), least_squares(X, Y), atol=1e-3)
+
+
 def test_least_squares_with_a_ridge_matches_its_closed_form_and_shrinks_the_values():
     """``ridge=r``: ``(X^T X + r mean(diag(X^T X)) I)^-1 X^T Y`` (float64 reference), even for a well-posed system;
     on two nearly equal columns, where plain least squares blows the coefficients up, it keeps them small."""

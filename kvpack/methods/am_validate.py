@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..attention import masked_attention
-from .am_fit import least_squares, relative_error
+from .am_fit import gram, least_squares, relative_error
 
 __all__ = ["TAIL_TOKENS", "RIDGE_GRID", "CANDIDATES", "causal_output", "choose_fit"]
 
@@ -68,6 +68,7 @@ def choose_fit(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
     sink_bias = torch.zeros(sink, device=keys.device)
     copied = values[sink + kept]
     errors, best = {}, None
+    G = gram(X)  # [t, t]: one Gram matrix for every ridge
     for name in CANDIDATES:
         if name == "selection":
             b, v = torch.zeros_like(beta), copied
@@ -75,7 +76,7 @@ def choose_fit(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
             b, v = beta, copied
         else:
             ridge = float(name.split("=")[1])
-            b, v = beta, least_squares(X, Y, fallback=copied, ridge=ridge, prior=copied if ridge > 0 else None)
+            b, v = beta, least_squares(X, Y, fallback=copied, ridge=ridge, prior=copied if ridge > 0 else None, G=G)
             if not bool((v.abs() <= limit).all()):  # also NaN
                 continue
         out = causal_output(queries, query_pos, keys[rows], positions[rows], torch.cat([values[:sink], v]), scaling,
