@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvpack  # noqa: E402
+from kvpack.compress import prefill_recorder  # noqa: E402
 from kvpack.bench.continuation import continuation_docs  # noqa: E402
 from kvpack.layout import chat_layout  # noqa: E402
 from kvpack.methods import get_method  # noqa: E402
@@ -61,8 +62,11 @@ def main() -> None:
 
     for _ in range(args.repeats):
         timed("kvzip build", kvpack.compress, model, tok, doc.text, method="kvzip", ratio=args.ratio)
-        full = timed("am: prefill", prefill, model, ids, len(layout.prefix_ids(tok)), layout, spec, 2048)
         scorer = get_method("am", **params)
+        # the method's own recorder, as kvpack.compress gives it (ridge_search records the context's last queries)
+        recorder, observed = prefill_recorder(scorer, spec, len(ids), "cpu", tok, layout, True, False)
+        full = timed("am: prefill", prefill, model, ids, len(layout.prefix_ids(tok)), layout, spec, 2048, None,
+                     recorder, observed)
         scores = timed("am: score", scorer.score, model, tok, full)
         keep = timed("am: select", scorer.select, scores, args.ratio, full)
         timed("am: fit", scorer.update_entries, full, keep, gather(full, keep))

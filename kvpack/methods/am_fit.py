@@ -302,8 +302,11 @@ def context_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.T
 
 
 #: Query rows x keys per chunk of the explicit ``[n, T]`` attention in ``rms_attention`` and ``max_attention``
-#: (float32: 16 MiB), so their memory does not grow with the number of queries.
-CHUNK_ELEMENTS = 1 << 22
+#: (float32: 2 MiB), so their memory does not grow with the number of queries. Each chunk is passed over four or
+#: five times (exponential, row sums, squares, the product with the values); at 2 MiB it stays in cache between
+#: them: on one CPU thread at SmolLM2's shapes (8,192 queries over 2,048 keys) RMS with the context's output takes
+#: 73 ms against 102 ms with 16 MiB chunks (``tools/bench_rms_chunks.py``, BENCHMARKS.md).
+CHUNK_ELEMENTS = 1 << 19
 
 
 def _softmax_chunks(queries: torch.Tensor, keys: torch.Tensor, scaling: float):
