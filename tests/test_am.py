@@ -566,6 +566,33 @@ def test_ridge_search_takes_the_candidate_best_on_the_validation_queries():
     assert name == "selection" and torch.equal(beta, torch.zeros_like(beta)) and torch.equal(values, V[sink + kept])
 
 
+def test_ridge_search_reuses_the_fits_normal_equations():
+    """``fit_head(keep_design=True)`` hands over its Gram matrix, ``X^T Y`` and ridge-0 values; ``choose_fit`` given
+    them scores every candidate as it does solving them itself, and ``least_squares`` given ``G`` and ``XtY`` solves
+    every ridge as it does without them."""
+    from kvpack.methods.am_fit import gram, least_squares
+    from kvpack.methods.am_validate import choose_fit
+
+    gen = torch.Generator().manual_seed(11)
+    T, d, sink = 80, 8, 2
+    K, V = torch.randn(T, d, generator=gen), torch.randn(T, d, generator=gen)
+    kept = torch.arange(1, T - sink, 3)
+    fit = fit_head(K[sink:], V[sink:], torch.randn(1500, d, generator=gen), kept, d ** -0.5, keep_design=True)
+    X, Y = fit.design
+    torch.testing.assert_close(fit.normal[0], X.T @ X, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fit.normal[1], X.T @ Y, rtol=1e-4, atol=1e-4)
+    assert torch.equal(fit.values, least_squares(X, Y, fallback=V[sink + kept]))
+    for ridge in (0.0, 1e-2, 1.0):
+        prior = V[sink + kept] if ridge else None
+        assert torch.equal(least_squares(X, Y, ridge=ridge, prior=prior, G=gram(X), XtY=X.T @ Y),
+                           least_squares(X, Y, ridge=ridge, prior=prior))
+    q, pos = torch.randn(200, d, generator=gen), torch.full((200,), T - 1)
+    fresh = choose_fit(K, V, torch.arange(T), sink, kept, fit.beta, X, Y, q, pos, d ** -0.5)
+    reused = choose_fit(K, V, torch.arange(T), sink, kept, fit.beta, X, Y, q, pos, d ** -0.5, normal=fit.normal,
+                        plain=fit.values)
+    assert fresh[0] == reused[0] and fresh[3] == reused[3] and torch.equal(fresh[2], reused[2])
+
+
 def test_ridge_search_builds_a_pack_that_generates(tmp_path):
     model, tok, pack = _build("llama", ridge_search=True)
     fit = pack.metadata["stats"]["fit"]

@@ -482,7 +482,8 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                 vq, vpos, vscale = self._validation_queries(prefill, i, h)
                 name, beta, new_values, _ = choose_fit(
                     keys[h], values[h], prefill.positions[l].to(keys.device), sink, kept, fit.beta,
-                    *fit.design, vq.to(keys.device), vpos.to(keys.device), vscale, C.MAX_KV_ABS)
+                    *fit.design, vq.to(keys.device), vpos.to(keys.device), vscale, C.MAX_KV_ABS, normal=fit.normal,
+                    plain=fit.values if self.ridge == 0 else None)  # fit_head solved the ridge-0 values already
                 tally.chosen[name] = tally.chosen.get(name, 0) + 1
                 if name == "selection":
                     tally.reject("ridge_search")

@@ -108,7 +108,8 @@ def nnls_box(M: torch.Tensor, y: torch.Tensor, low: float, high: float, iters: i
 
 
 def least_squares(X: torch.Tensor, Y: torch.Tensor, fallback: torch.Tensor | None = None, ridge: float = 0.0,
-                  prior: torch.Tensor | None = None, G: torch.Tensor | None = None) -> torch.Tensor:
+                  prior: torch.Tensor | None = None, G: torch.Tensor | None = None,
+                  XtY: torch.Tensor | None = None) -> torch.Tensor:
     """``argmin_C ||X C - Y||^2`` in float32: the normal equations ``X^T X C = X^T Y`` by Cholesky when ``n >= t``
     (one ``[t, n] x [n, t]`` product: 2-3x faster than QR on CPU, measured in BENCHMARKS.md), else the
     minimum-norm solution ``X^T (X X^T)^-1 Y``.
@@ -128,7 +129,8 @@ def least_squares(X: torch.Tensor, Y: torch.Tensor, fallback: torch.Tensor | Non
     Args:
         X: ``[n, t]`` float32; Y: ``[n, k]`` float32; fallback: optional ``[t, k]``; ridge: ``>= 0``; prior:
             optional ``[t, k]`` float32, what the ridge shrinks toward (used only with ``ridge > 0``); G: ``gram(X)``
-            when the caller has it (several ridges on one design), else computed here.
+            and XtY: ``X^T Y`` ``[t, k]`` when the caller has them (several ridges on one design), else computed
+            here.
 
     Returns:
         ``[t, k]`` float32.
@@ -138,17 +140,19 @@ def least_squares(X: torch.Tensor, Y: torch.Tensor, fallback: torch.Tensor | Non
         return X.new_zeros(0, Y.shape[1])
     if G is None and (n >= t or ridge > 0):
         G = gram(X)  # [t, t], shared by every path below
+    if XtY is None and (n >= t or ridge > 0):
+        XtY = X.T @ Y  # [t, k], likewise
     if ridge > 0:
         lam = ridge * float(G.diagonal().mean().clamp_min(1e-30))
         factor, info = torch.linalg.cholesky_ex(G + lam * torch.eye(t, dtype=G.dtype, device=G.device))
         if int(info) == 0:
-            rhs = X.T @ Y if prior is None else X.T @ Y + lam * prior
+            rhs = XtY if prior is None else XtY + lam * prior
             C = torch.cholesky_solve(rhs, factor)
             if bool(torch.isfinite(C).all()):
                 return C
     try:
         if n >= t:
-            C = torch.cholesky_solve(X.T @ Y, torch.linalg.cholesky(G))
+            C = torch.cholesky_solve(XtY, torch.linalg.cholesky(G))
         else:  # minimum-norm solution of the underdetermined system
             C = X.T @ torch.cholesky_solve(Y, torch.linalg.cholesky(X @ X.T))
         ok = bool(torch.isfinite(C).all())
@@ -158,7 +162,7 @@ def least_squares(X: torch.Tensor, Y: torch.Tensor, fallback: torch.Tensor | Non
         ok = False
     if ok:
         return C
-    G, rhs = (gram(X) if G is None else G), X.T @ Y
+    G, rhs = (gram(X) if G is None else G), (X.T @ Y if XtY is None else XtY)
     scale = float(G.diagonal().mean().clamp_min(1e-30))
     for k in range(RIDGE_STEPS):  # the smallest ridge, 1e-6 x 10^k, whose system factorises
         lam = RIDGE * 10.0**k * scale
@@ -174,11 +178,14 @@ class HeadFit:
     """The compacted context of one KV head: ``beta`` ``[t]`` float32 and ``values`` ``[t, dv]`` float32 for the
     kept entries (in the order of ``kept``), plus ``mass_error``: the relative error of the fitted mass on the
     fit queries, ``mean |M w - y| / y``, and ``design``: the value fit's ``(X [n, t], Y [n, dv])`` when asked for
-    (``fit_head(keep_design=True)``), else ``None``."""
+    (``fit_head(keep_design=True)``), else ``None``, with ``normal``: its ``(gram(X) [t, t], X^T Y [t, dv])``, so a
+    caller solving the same design again with other ridges (``am_validate.choose_fit``) need not recompute them."""
 
     def __init__(self, beta: torch.Tensor, values: torch.Tensor, mass_error: float,
-                 design: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 design: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 normal: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.beta, self.values, self.mass_error, self.design = beta, values, mass_error, design
+        self.normal = normal
 
 
 def context_share(queries: torch.Tensor, sink_keys: torch.Tensor, lse: torch.Tensor, scaling: float
@@ -234,7 +241,8 @@ def fit_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, ke
             of the mass and value fits are weighted by its ``context_share`` (kvpack's), so the fit is measured as
             the head's output over ``[sink, context]`` sees it.
         sink_keys: ``[s, d]`` float32 keys of the attention sink (kept exact), needed by ``weights="share"``.
-        keep_design: also return the value fit's ``X`` and ``Y`` (``HeadFit.design``; ``am_validate``).
+        keep_design: also return the value fit's ``X`` and ``Y`` (``HeadFit.design``; ``am_validate``) and, with
+            at least as many queries as kept entries, its normal equations (``HeadFit.normal``).
         beta_solve: ``"nnls"`` (default: ``nnls_box`` in ``beta_range`` with ``iters`` steps) or ``"clamped"``
             (``clamped_least_squares``: AM-OMP's weights, ``beta_range`` and ``iters`` unused).
         context: ``context_attention(queries, keys, values, scaling)`` when the caller has it already
@@ -281,8 +289,10 @@ def fit_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, ke
     if a is not None:  # weighted least squares: rows scaled by the query's context share
         X, target = X * a, target * a
     prior = copied if ridge_to == "selected" else None
-    return HeadFit(w.log(), least_squares(X, target, fallback=copied, ridge=ridge, prior=prior), mass_error,
-                   (X, target) if keep_design else None)
+    normal = (gram(X), X.T @ target) if keep_design and X.shape[0] >= X.shape[1] else None
+    G, XtY = normal or (None, None)
+    C = least_squares(X, target, fallback=copied, ridge=ridge, prior=prior, G=G, XtY=XtY)
+    return HeadFit(w.log(), C, mass_error, (X, target) if keep_design else None, normal)
 
 
 def context_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float

@@ -98,18 +98,22 @@ def on_policy_sweep(model, prefill: Prefill, layers: list[LayerEntries], passes:
             one.cache.layers[l].queries = _Gate(sweep, p, one.cache.layers[l])
 
     def run(p: int, one: PolicyPass) -> None:
+        done = False
         try:
             with torch.inference_mode():
                 model.base_model(input_ids=torch.tensor([one.input_ids], device=device), past_key_values=one.cache,
                                  use_cache=True)
         except RepeatPassDone:
-            pass  # the last compressed layer has attended (stop_after_attention's hook, set below)
+            done = True  # the last compressed layer has attended (stop_after_attention's hook, set below)
         except threading.BrokenBarrierError:
             pass  # another pass or the fit failed; its error is reported
         except BaseException as exc:  # noqa: BLE001 - handed to the calling thread, which raises it
             sweep.errors.append(exc)
         finally:
-            sweep.barrier.abort()  # a pass that ends early must not leave the others waiting (no-op when done)
+            # a pass that ends early must not leave the others waiting; one that is done must not abort: the fitting
+            # thread may not have woken from the last barrier yet, and an abort then breaks its wait
+            if not done:
+                sweep.barrier.abort()
 
     threads = [threading.Thread(target=run, args=(p, one), daemon=True) for p, one in enumerate(passes)]
     with stop_after_attention(model.base_model, compressed[-1]):  # one hook, shared by the passes' threads

@@ -50,7 +50,8 @@ def causal_output(queries: torch.Tensor, query_pos: torch.Tensor, keys: torch.Te
 
 def choose_fit(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, sink: int, kept: torch.Tensor,
                beta: torch.Tensor, X: torch.Tensor, Y: torch.Tensor, queries: torch.Tensor, query_pos: torch.Tensor,
-               scaling: float, limit: float = float("inf")) -> tuple[str, torch.Tensor, torch.Tensor, dict[str, float]]:
+               scaling: float, limit: float = float("inf"), normal: tuple[torch.Tensor, torch.Tensor] | None = None,
+               plain: torch.Tensor | None = None) -> tuple[str, torch.Tensor, torch.Tensor, dict[str, float]]:
     """The candidate (module docstring) with the lowest validation error for one KV head.
 
     Args:
@@ -59,6 +60,10 @@ def choose_fit(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
         beta: ``[t]`` fitted biases; X, Y: the fit's design ``[n, t]`` and target ``[n, dv]`` (``am_fit``).
         queries: ``[m, d]`` validation queries at positions ``query_pos`` ``[m]``; scaling: the attention scaling.
         limit: a fit with a value beyond ``+-limit`` (or not finite) is not a candidate (the loader's bound).
+        normal: ``(gram(X) [t, t], X^T Y [t, dv])`` when the caller has them (``HeadFit.normal``), else computed
+            here once for every ridge.
+        plain: ``[t, dv]`` the ridge-0 candidate when the caller solved it already (``fit_head`` with ``ridge=0``:
+            ``least_squares(X, Y, fallback=values[sink + kept])``), else solved here.
 
     Returns:
         ``(name, beta [t], values [t, dv], {candidate: error})``. Raises nothing of its own.
@@ -68,7 +73,7 @@ def choose_fit(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
     sink_bias = torch.zeros(sink, device=keys.device)
     copied = values[sink + kept]
     errors, best = {}, None
-    G = gram(X)  # [t, t]: one Gram matrix for every ridge
+    G, XtY = normal if normal is not None else (gram(X), X.T @ Y)  # one normal system for every ridge
     for name in CANDIDATES:
         if name == "selection":
             b, v = torch.zeros_like(beta), copied
@@ -76,7 +81,9 @@ def choose_fit(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
             b, v = beta, copied
         else:
             ridge = float(name.split("=")[1])
-            b, v = beta, least_squares(X, Y, fallback=copied, ridge=ridge, prior=copied if ridge > 0 else None, G=G)
+            v = plain if ridge == 0 and plain is not None else least_squares(
+                X, Y, fallback=copied, ridge=ridge, prior=copied if ridge > 0 else None, G=G, XtY=XtY)
+            b = beta
             if not bool((v.abs() <= limit).all()):  # also NaN
                 continue
         out = causal_output(queries, query_pos, keys[rows], positions[rows], torch.cat([values[:sink], v]), scaling,
