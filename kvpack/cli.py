@@ -94,8 +94,9 @@ def _method_options(f):
     (``kvpack.methods.params``): one click option per flag, its help naming each method that takes it, with that
     method's default."""
     for o in reversed(command_line_options()):
+        flags = o.flag
         if o.type is bool:  # --flag/--no-flag: either way from a default of either value
-            kind = dict(is_flag=True)
+            flags, kind = f"{o.flag}/--no-{o.flag[2:]}", dict(is_flag=True)
         elif o.choices:
             kind = dict(type=click.Choice(o.choices))
         elif o.low is not None or o.high is not None:
@@ -104,13 +105,11 @@ def _method_options(f):
             kind = dict(type=o.type)
         uses: dict[tuple[str, str], list[str]] = {}  # (help, default) -> the methods, each with its own choices
         for method, text, default, choices in o.uses:
-            shown = ("" if default is None else f" [default: {('off', 'on')[default]}]" if isinstance(default, bool)
-                     else f" [default: {default}]")
+            shown = "" if default is None or isinstance(default, bool) else f" [default: {default}]"
             own = f" ({', '.join(choices)})" if choices and choices != o.choices else ""
             uses.setdefault((text, shown), []).append(method + own)
         text = "; ".join(f"{', '.join(names)}: {text}{shown}" for (text, shown), names in uses.items())
-        names = f"{o.flag}/--no-{o.flag[2:]}" if o.type is bool else o.flag
-        f = click.option(names, o.param, default=None, metavar=o.metavar, help=text + ".", **kind)(f)
+        f = click.option(flags, o.param, default=None, metavar=o.metavar, help=text + ".", **kind)(f)
     return f
 
 

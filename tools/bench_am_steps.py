@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvpack  # noqa: E402
-from kvpack.compress import prefill_recorder  # noqa: E402
 from kvpack.bench.continuation import continuation_docs  # noqa: E402
+from kvpack.compress import prefill_recorder  # noqa: E402
 from kvpack.layout import chat_layout  # noqa: E402
 from kvpack.methods import get_method  # noqa: E402
 from kvpack.methods.base import gather  # noqa: E402
