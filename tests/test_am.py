@@ -280,6 +280,12 @@ def test_fitted_head_beats_the_selection_on_held_out_queries(shift):
 # the method on tiny models
 
 
+#: AM selecting by KVzip's scores from KVzip's repeat pass, each head's fit kept or reverted by the value bound and the
+#: held-out check (the defaults until issue 28's twenty-sixth session): the tests that compare AM's entries with
+#: KVzip's, or its guards' rejections, pin it
+KVZIP_SELECTION = dict(selection="kvzip", reference="repeat", ridge_search=False)
+
+
 def _build(arch, **options):
     model, tok = tiny_model(arch)
     return model, tok, kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="am", ratio=0.3, chunk_size=40,
@@ -288,7 +294,7 @@ def _build(arch, **options):
 
 def test_values_copy_keeps_exactly_kvzips_entries():
     """With KVzip's split (``budgets="global"``, no recent floor) and the values copied, AM holds KVzip's entries."""
-    model, tok, am = _build("llama", values="copy", budgets="global", recent=0)
+    model, tok, am = _build("llama", values="copy", budgets="global", recent=0, **KVZIP_SELECTION)
     kvzip = kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="kvzip", ratio=0.3, chunk_size=40)
     assert am.metadata["stats"]["layer_budgets"] == kvzip.metadata["stats"]["layer_budgets"]
     for a, b in zip(am.layers, kvzip.layers):
@@ -318,7 +324,7 @@ def test_a_fit_with_values_the_loader_would_refuse_keeps_kvzips_selection(monkey
         return type(fit)(**{**vars(fit), "values": fit.values * 1e6})
 
     monkeypatch.setattr(am_module, "fit_head", blown_up)
-    model, tok, pack = _build("llama", held_out_check=False, budgets="global", recent=0)
+    model, tok, pack = _build("llama", held_out_check=False, budgets="global", recent=0, **KVZIP_SELECTION)
     kvzip = kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="kvzip", ratio=0.3, chunk_size=40)
     fit = pack.metadata["stats"]["fit"]
     assert fit["heads_rejected"] > 0 and fit["heads_rejected"] + fit["heads_unfitted"] == 4  # 2 layers x 2 heads
@@ -350,7 +356,8 @@ def test_value_bound_rejects_fits_whose_values_leave_the_contexts_range(monkeypa
     kvzip = None
     for factor, bound, rejected in ((3.0, 2.0, True), (1.5, 2.0, False), (3.0, 0.0, False)):
         stretch["factor"] = factor
-        model, tok, pack = _build("llama", held_out_check=False, budgets="global", recent=0, value_bound=bound)
+        model, tok, pack = _build("llama", held_out_check=False, budgets="global", recent=0, value_bound=bound,
+                                   **KVZIP_SELECTION)
         if kvzip is None:
             kvzip = kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="kvzip", ratio=0.3, chunk_size=40)
         fit = pack.metadata["stats"]["fit"]
@@ -438,7 +445,7 @@ def _reference_pools(arch, **options):
 def test_continuation_queries_are_the_sampled_tokens_and_deterministic():
     """``reference="continue"``: one query row per sampled token and query head of the group (continue_tokens x
     group, nothing from the repeat pass), the same rows on a second run; ``both`` pools the two sources."""
-    full, repeat, _ = _reference_pools("llama")
+    full, repeat, _ = _reference_pools("llama", reference="repeat")
     group = full.spec.num_heads // full.spec.num_kv_heads
     _, sampled, first = _reference_pools("llama", reference="continue", continue_tokens=37)
     assert sampled == [37 * group] * len(sampled)
@@ -514,7 +521,7 @@ def test_prefill_queries_are_the_contexts_own_attention_queries(arch):
         assert torch.equal(torch.cat(a.parts, dim=1), torch.cat(b.parts, dim=1))
     both = get_method("am", chunk_size=40, queries=50_000, reference="prefill+repeat")
     both.score(model, tok, full)
-    _, repeat, _ = _reference_pools(arch)
+    _, repeat, _ = _reference_pools(arch, reference="repeat")
     assert [sum(p.shape[1] for p in r.parts) for r in both._reservoirs] == [r + n * group for r in repeat]
 
 
@@ -626,7 +633,7 @@ def test_on_policy_queries_are_the_repeat_pass_queries_once_earlier_layers_are_c
     differ when layer 0 has evicted some: the pass really runs over the compacted layer 0."""
     from kvpack.methods.am_policy import on_policy_queries
 
-    full, _, scorer = _reference_pools("llama")
+    full, _, scorer = _reference_pools("llama", reference="repeat")
     assert full.spec.compressed_layers[:2] == (0, 1)
     off = torch.cat(scorer._reservoirs[1].parts, dim=1)
     layers = [_whole_layer(full, 0), None]
@@ -943,7 +950,8 @@ def test_bench_method_specs():
 def test_kvzip_plus_scoring_gives_am_kvzip_plus_selection():
     """``scoring="plus"`` reaches AM through KVzip's repeat pass (which also records AM's queries): with the values
     copied, AM holds exactly KVzip+'s entries, a selection other than plain KVzip's."""
-    model, tok, am = _build("llama", values="copy", scoring="plus", queries=64, budgets="global", recent=0)
+    model, tok, am = _build("llama", values="copy", scoring="plus", queries=64, budgets="global", recent=0,
+                       **KVZIP_SELECTION)
     plus = kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="kvzip", ratio=0.3, chunk_size=40,
                            scoring="plus")
     plain = kvpack.compress(model, tok, TEXT, kv_dtype="float32", method="kvzip", ratio=0.3, chunk_size=40)

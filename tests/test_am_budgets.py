@@ -92,13 +92,13 @@ def test_scheduled_split_follows_the_fractions_under_the_cap():
 
 def test_am_select_split_cap_and_recent_floor():
     s = _skewed()
-    am = get_method("am", recent=8)  # global-capped at 0.75
+    am = get_method("am", recent=8, selection="kvzip")  # global-capped at 0.75
     keep = am.select(s, 0.3)
     assert int(keep.sum()) == 72 and int(keep.sum(dim=2).max()) <= 30
     assert bool(keep[..., -8:].all())  # every head keeps its last 8 tokens (48 of the 72)
-    uni = get_method("am", budgets="uniform", recent=4).select(s, 0.3)
+    uni = get_method("am", budgets="uniform", recent=4, selection="kvzip").select(s, 0.3)
     assert uni.sum(dim=2).flatten().tolist() == [12] * 6 and bool(uni[..., -4:].all())
-    old = get_method("am", budgets="global", recent=0).select(s, 0.3)
+    old = get_method("am", budgets="global", recent=0, selection="kvzip").select(s, 0.3)
     assert torch.equal(old, select_global(s, 0.3))
     assert torch.equal(protect_recent(s, 0), s)
 
@@ -268,7 +268,7 @@ def test_am_kvzip_plus_rms_keeps_kvzips_top_half_and_fills_by_rms():
     full = scorer._full
     scores = scorer._scores
     keep = scorer.select(scores, 0.3, full)
-    kvzip_only = get_method("am", chunk_size=40, recent=0).select(scores, 0.3, full)
+    kvzip_only = get_method("am", chunk_size=40, recent=0, selection="kvzip").select(scores, 0.3, full)
     assert torch.equal(keep.sum(dim=2), kvzip_only.sum(dim=2))
     rms = torch.stack([scorer._rms_scores(full, i) for i in range(keep.shape[0])])
     differs = False
@@ -307,7 +307,7 @@ def test_self_study_queries_are_deterministic_and_pool_with_the_repeat_pass():
     pa = [torch.cat(r.parts, dim=1) for r in a._reservoirs]
     pb = [torch.cat(r.parts, dim=1) for r in b._reservoirs]
     assert all(torch.equal(x, y) for x, y in zip(pa, pb))
-    repeat = _scorer()
+    repeat = _scorer(reference="repeat")
     both = _scorer(reference="self-study+repeat", self_study_tokens=5)
     for r, s, bo in zip(repeat._reservoirs, a._reservoirs, both._reservoirs):
         rows = lambda res: sum(p.shape[1] for p in res.parts)  # noqa: E731

@@ -232,20 +232,21 @@ def test_python_dash_m_and_version():
     (["--method", "streaming", "--sink", "0"], "method\\s+streaming \\(sink=0\\)"),
     (["--method", "random", "--seed", "3", "--budget", "layer"], "method\\s+random \\(budget=layer, seed=3\\)"),
     (["--method", "none"], "method\\s+none$"),
-    (["--method", "am", "--select", "rms", "--values", "copy", "--queries", "64", "--on-policy"],
-     "method\\s+am \\(.*on_policy=True, queries=64, queries_per_entry=2.0, recent=16, reference=repeat, ridge=0.0, ridge_search=False, "
-     "ridge_to=zero, .*scoring=attention, selection=rms, .*values=copy, weights=uniform\\)"),
-    (["--method", "am", "--reference", "both", "--queries", "64"],
+    (["--method", "am", "--select", "kvzip", "--values", "copy", "--queries", "64", "--on-policy"],
+     "method\\s+am \\(.*on_policy=True, queries=64, queries_per_entry=8.0, recent=16, reference=self-study\\+repeat, "
+     "ridge=0.0, ridge_search=True, ridge_to=zero, .*scoring=attention, selection=kvzip, .*self_study_tokens=16, "
+     ".*values=copy, weights=uniform\\)"),
+    (["--method", "am", "--reference", "both", "--queries", "64", "--queries-per-entry", "2"],
      "method\\s+am \\(.*queries=64, queries_per_entry=2.0, recent=16, reference=both, .*values=fit, weights=uniform\\)"),
-    (["--method", "am", "--ridge", "0.001", "--queries", "64"],
-     "method\\s+am \\(.*queries=64, queries_per_entry=2.0, recent=16, reference=repeat, ridge=0.001, ridge_search=False, ridge_to=zero, "
-     ".*values=fit, weights=uniform\\)"),
+    (["--method", "am", "--ridge", "0.001", "--queries", "64", "--no-ridge-search", "--reference", "repeat"],
+     "method\\s+am \\(.*queries=64, queries_per_entry=8.0, recent=16, reference=repeat, ridge=0.001, ridge_search=False, "
+     "ridge_to=zero, .*selection=rms, .*values=fit, weights=uniform\\)"),
     (["--method", "am", "--reference", "prefill", "--fit-weights", "share", "--queries", "64"],
-     "method\\s+am \\(.*queries=64, queries_per_entry=2.0, recent=16, reference=prefill, .*values=fit, weights=share\\)"),
-    (["--method", "am", "--ridge-search", "--queries", "64"],
-     "method\\s+am \\(.*reference=repeat, ridge=0.0, ridge_search=True, ridge_to=zero, .*values=fit, "
+     "method\\s+am \\(.*queries=64, queries_per_entry=8.0, recent=16, reference=prefill, .*values=fit, weights=share\\)"),
+    (["--method", "am", "--queries", "64"],
+     "method\\s+am \\(.*reference=self-study\\+repeat, ridge=0.0, ridge_search=True, ridge_to=zero, .*values=fit, "
      "weights=uniform\\)"),
-    (["--method", "am", "--ridge", "1", "--ridge-to", "selected", "--queries", "64"],
+    (["--method", "am", "--ridge", "1", "--ridge-to", "selected", "--queries", "64", "--no-ridge-search"],
      "method\\s+am \\(.*ridge=1.0, ridge_search=False, ridge_to=selected, .*values=fit, weights=uniform\\)"),
 ])
 def test_build_with_method_options_and_info_shows_them(docs, models, tmp_path, args, params):
@@ -258,10 +259,12 @@ def test_build_with_method_options_and_info_shows_them(docs, models, tmp_path, a
     assert budgets and sum(int(b) for b in budgets.group(1).split(", ")) == int(kept.group(1).replace(",", ""))
     assert ("merged " in info) == ("d2o" in args and "off" not in args)
     assert ("attention matching fit" in info) == ("am" in args)
-    assert ("heads by validated choice (--ridge-search)" in info) == ("--ridge-search" in args)
+    # --ridge-search is AM's default
+    assert ("heads by validated choice (--ridge-search)" in info) == ("am" in args and "--no-ridge-search" not in args)
     if "both" in args:  # kvpack ls names the options that differ from the method's defaults
         listing = _run(["ls", str(out)]).stdout
-        assert re.search(r"alpha\.kvpack\s+alpha\.txt\s+am\[queries=64;reference=both\]\s+[\d.]+\s+none\s", listing)
+        assert re.search(r"alpha\.kvpack\s+alpha\.txt\s+am\[queries=64;queries_per_entry=2\.0;reference=both\]\s+"
+                         r"[\d.]+\s+none\s", listing), listing
 
 
 def test_method_label_names_changed_parameters_and_survives_hostile_headers():

@@ -94,8 +94,13 @@ class QueryReservoir:
 
 @dataclass
 class AttentionMatching(AttentionMatchingParams, KVzip):
-    """KVzip's selection, then per KV head a closed-form fit of a bias ``beta`` per kept entry and of their values
-    so that attention over the kept entries reproduces attention over the whole context (arXiv 2602.16284 §3).
+    """A per-head budget split over KVzip's scores and a selection within each head, then per KV head a closed-form
+    fit of a bias ``beta`` per kept entry and of their values so that attention over the kept entries reproduces
+    attention over the whole context (arXiv 2602.16284 §3).
+
+    Defaults (BENCHMARKS.md, "Issue 28, twenty-sixth session"): the paper's ``ss-plus-repeat`` queries with short
+    greedy self-study answers (16 tokens per prompt), RMS selection, 8,192 queries per KV head, and kvpack's
+    validated per-head choice (``ridge_search``) in place of the paper's always-fit.
 
     Reference queries (§4.1, "repeat" queries): the queries of KVzip's repeat pass (arXiv 2505.23416 §3.2), which
     scoring runs anyway, recorded as each layer sees them (after q-norm and RoPE), the query heads of a GQA group
@@ -115,8 +120,8 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     (uncapped: on the reference model at keep 0.1 one head took ~80% of the entries), ``"uniform"`` or
     ``"schedule"`` (a per-model fraction file, ``kvpack.schedule``, capped). Every head keeps its last ``recent``
     context tokens first (within its budget; kvpack's, not the paper's). Within a head, KVzip's scores
-    (``selection="kvzip"``), the highest RMS attention over the reference queries (``"rms"``, the paper code's
-    ``score_method="rms"``) or OMP (``"omp"``, the paper's AM-OMP, ``kvpack.methods.am_omp``; its beta is then
+    (``selection="kvzip"``), the highest RMS attention over the reference queries (``"rms"``, the default, the paper
+    code's ``score_method="rms"``) or OMP (``"omp"``, the paper's AM-OMP, ``kvpack.methods.am_omp``; its beta is then
     the clamped least squares of ``am_fit.clamped_least_squares``, in ``[-27.6, 7]``, rather than the NNLS fit in
     ``[-3, 3]``, as the official OMP configuration has it).
 
@@ -162,20 +167,21 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         schedule: the schedule file of ``budgets="schedule"`` (checked against the model); its SHA-256 is
             recorded as ``schedule_sha256``.
         recent: last context tokens every head keeps (in its budget), ``>= 0``.
-        selection: ``"kvzip"``, ``"rms"`` or ``"omp"``.
+        selection: ``"rms"`` (default), ``"kvzip"``, ``"kvzip+rms"`` or ``"omp"``.
         values: ``"fit"``, ``"copy"`` or ``"merge"``.
-        queries: reference queries per KV head (fit + held out), ``16 .. 50,000``.
+        queries: reference queries per KV head (fit + held out), ``16 .. 50,000`` (default 8,192).
         queries_per_entry: a head is fitted only where its fit queries number at least this many times its kept
-            entries (default 2, ``>= 1``; kvpack's guard, above).
+            entries (default 8, ``>= 1``; kvpack's guard, above).
         on_policy: recompute each layer's queries with the earlier layers compacted.
-        held_out_check: keep KVzip's selection for a head whose fit does worse on held-out queries (default
-            true: measured on SmolLM2, BENCHMARKS.md).
+        held_out_check: keep the selection for a head whose fit does worse on held-out queries (default true:
+            measured on SmolLM2, BENCHMARKS.md; unused under ``ridge_search``, the default).
         shift: the mass matching's per-query shift, ``"lse"`` (default) or ``"max"`` (``am_fit``'s docstring).
-        reference: where the reference queries come from: ``"repeat"`` (KVzip's repeat pass, default),
+        reference: where the reference queries come from: ``"self-study+repeat"`` (default), ``"repeat"`` (KVzip's
+            repeat pass),
             ``"continue"`` (``continue_tokens`` tokens the model samples after the context,
             ``kvpack.methods.am_continue``), ``"both"`` (one pool of the two), ``"self-study"`` or
             ``"self-study+repeat"``, ``"prefill"`` or ``"prefill+repeat"``.
-        self_study_tokens: answer tokens per self-study prompt at most (default 64), ``>= 1``.
+        self_study_tokens: answer tokens per self-study prompt at most (default 16), ``>= 1``.
         self_study_temperature: ``0`` (default) answers the self-study prompts greedily; ``> 0`` samples them at
             that temperature with top-k 20 and top-p 0.8, as the paper's code does (its temperature: 0.7).
         self_study_seed: the sampled answers' seed, ``>= 0`` (``kvpack.methods.am_selfstudy``).
@@ -185,7 +191,8 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             pass's queries with values far outside the data's range (on the reference model up to 1,140 where the
             context's values stay below 5), which other queries then amplify; BENCHMARKS.md measures the option.
         value_bound: a head whose fitted values leave ``value_bound x`` the largest |value| of its own context
-            entries keeps its selection (beta = 0, values copied), counted as rejected; default 2, 0 turns it off
+            entries keeps its selection (beta = 0, values copied), counted as rejected; default 2 (unused under
+            ``ridge_search``, the default), 0 turns it off
             (kvpack's, not the paper's: an unbounded fit lost +1.05 nats/token on a held-out SmolLM2 passage where
             KVzip lost +0.14, BENCHMARKS.md).
         ridge_to: what the ridge shrinks the fitted values toward: ``"zero"`` (default, a plain ridge) or
@@ -196,7 +203,8 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             (``am_validate.RIDGE_GRID``, 0 included) gives the lowest error on the context's last
             ``am_validate.TAIL_TOKENS`` tokens' own prefill queries, replayed causally (kvpack's, not the paper's;
             the validation replaces ``value_bound`` and ``held_out_check``, and ``ridge``/``ridge_to`` are unused);
-            the choices are counted in ``stats["fit"]["ridge_search"]``.
+            the choices are counted in ``stats["fit"]["ridge_search"]``; default true (BENCHMARKS.md, "Issue 28,
+            twenty-sixth session").
         weights: ``"uniform"`` (default, the paper's) or ``"share"``: each reference query's rows of the fit
             weighted by the share of its attention over ``[sink, context]`` that falls on the context
             (``am_fit.context_share``; kvpack's), so queries resting on the attention sink no longer drive it.

@@ -197,7 +197,10 @@ class AttentionMatchingParams(KVzipParams):
     name: ClassVar[str] = "am"
     absent_means: ClassVar[dict[str, Any]] = {"budgets": "global", "max_head_ratio": 1.0, "recent": 0,
                                                "value_bound": 0.0, "weights": "uniform",
-                                               "ridge_search": False, "score_queries": "repeat"}
+                                               "ridge_search": False, "score_queries": "repeat",
+                                               # the defaults until issue 28's twenty-sixth session
+                                               "selection": "kvzip", "reference": "repeat", "queries": 4096,
+                                               "queries_per_entry": 2.0, "self_study_tokens": 64}
     max_head_ratio: float = option(0.75, "most of a KV head's own context entries it may keep with --budgets "
                                          "global-capped or schedule (the paper's --max-ratio-per-head)",
                                    low=0.0, high=1.0)
@@ -212,13 +215,13 @@ class AttentionMatchingParams(KVzipParams):
                                           "continue the repeat pass is skipped)", choices=SCORE_QUERIES)
     recent: int = option(16, "last context tokens every head keeps (counted in its budget; not in the paper)",
                          low=0)
-    selection: str = option("kvzip", "keys kept within a head: KVzip's score, RMS attention over the reference "
+    selection: str = option("rms", "keys kept within a head: KVzip's score, RMS attention over the reference "
                                      "queries, half of each (kvzip+rms), or OMP (greedy mass matching; slower)",
                             flag="--select",
                             choices=SELECTIONS)
     values: str = option("fit", "kept values fitted by least squares, copied, or D2O-merged", choices=VALUE_MODES)
-    queries: int = option(4096, "reference queries per KV head", low=16, high=MAX_QUERIES)
-    queries_per_entry: float = option(2.0, "a KV head is fitted only where its fit queries (--queries less the "
+    queries: int = option(8192, "reference queries per KV head", low=16, high=MAX_QUERIES)
+    queries_per_entry: float = option(8.0, "a KV head is fitted only where its fit queries (--queries less the "
                                             "held-out ones) number at least this many times its kept entries; "
                                             "other heads keep their selected entries as they are and show as "
                                             "unfitted in kvpack info (kvpack's guard: with few queries per entry "
@@ -230,13 +233,13 @@ class AttentionMatchingParams(KVzipParams):
     # checked fits with the fact (BENCHMARKS.md, "Attention Matching on SmolLM2: the held-out check")
     held_out_check: bool = True
     shift: str = "lse"
-    reference: str = option("repeat", "reference queries from KVzip's repeat pass, from 512 tokens the model "
+    reference: str = option("self-study+repeat", "reference queries from KVzip's repeat pass, from 512 tokens the model "
                                       "samples after the context (slower: a decode step each), both, the "
                                       "model's answers to self-study prompts about the context, "
                                       "self-study+repeat, the context's own prefill queries (free), or "
                                       "prefill+repeat", choices=REFERENCES)
     continue_tokens: int = 512
-    self_study_tokens: int = option(64, "answer tokens per self-study prompt at most (one decode step each; the "
+    self_study_tokens: int = option(16, "answer tokens per self-study prompt at most (one decode step each; the "
                                         "paper's answers run to 2,048)", low=1)
     self_study_temperature: float = option(0.0, "0: greedy self-study answers; above 0 sampled at this temperature "
                                                 "with top-k 20 and top-p 0.8, as the paper's code does (its "
@@ -253,7 +256,7 @@ class AttentionMatchingParams(KVzipParams):
     ridge_to: str = option("zero", "what --ridge shrinks the fitted values toward: zero, or the kept entries' own "
                                    "values (the larger the ridge, the closer to --values copy)",
                            choices=RIDGE_TARGETS)
-    ridge_search: bool = option(False, "per head, keep whichever of the selection as it is, the fitted biases "
+    ridge_search: bool = option(True, "per head, keep whichever of the selection as it is, the fitted biases "
                                        "with copied values, or a least-squares fit with a ridge (0 to 1) does best "
                                        "on the context's last 256 tokens' own queries (replaces --value-bound and "
                                        "the held-out check; not in the paper)")
