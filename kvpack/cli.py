@@ -89,6 +89,16 @@ def cli():
 # ---------------------------------------------------------------------------------------------------------------
 # build
 
+def _shown_default(flag: str, default) -> str:
+    """A method option's default as its help shows it: `` [default: 8192]``, `` [default: --no-on-policy]`` for a
+    boolean, nothing for ``None``."""
+    if default is None:
+        return ""
+    if isinstance(default, bool):
+        return f" [default: {flag if default else '--no-' + flag[2:]}]"
+    return f" [default: {default}]"
+
+
 def _method_options(f):
     """``build``'s method options, made from the method parameters declared with ``option``
     (``kvpack.methods.params``): one click option per flag, its help naming each method that takes it, with that
@@ -105,7 +115,7 @@ def _method_options(f):
             kind = dict(type=o.type)
         uses: dict[tuple[str, str], list[str]] = {}  # (help, default) -> the methods, each with its own choices
         for method, text, default, choices in o.uses:
-            shown = "" if default is None or isinstance(default, bool) else f" [default: {default}]"
+            shown = _shown_default(o.flag, default)
             own = f" ({', '.join(choices)})" if choices and choices != o.choices else ""
             uses.setdefault((text, shown), []).append(method + own)
         text = "; ".join(f"{', '.join(names)}: {text}{shown}" for (text, shown), names in uses.items())
@@ -146,7 +156,7 @@ class _BuildCommand(click.Command):
                 for name, text, default, choices in o.uses:
                     if name == method:
                         only = f" (here: {', '.join(choices)})" if choices and choices != o.choices else ""
-                        shown = "" if default is None or isinstance(default, bool) else f" [default: {default}]"
+                        shown = _shown_default(o.flag, default)
                         rows.append((records[o.param][0], f"{text}{only}{shown}."))
             if rows:
                 sections.setdefault(tuple(rows), []).append(method)

@@ -355,3 +355,9 @@ def test_int4_build_fits_a_16_dim_head(docs, models, tmp_path):
     res = _run(["build", str(docs / "alpha.txt"), "--model", models["qwen2"], "--device", "cpu", "--quant", "int4",
                 "--group-size", "128", "--out", str(tmp_path / "out")])  # values: groups of min(128, 16) channels
     assert "1 built" in res.stdout
+
+
+def test_build_help_shows_each_method_options_default_booleans_as_their_flag():
+    text = re.sub(r"-\s+", "-", " ".join(_run(["build", "--help"]).stdout.split()))  # the help's wrapping undone
+    assert "[default: --ridge-search]" in text and "[default: --no-on-policy]" in text
+    assert "[default: 8192]" in text and "[default: self-study+repeat]" in text and "[default: rms]" in text

@@ -76,7 +76,7 @@ def split_budget(scorer, scores: torch.Tensor, ratio: float, full, budget: str) 
     return keep.view(scores.shape)
 
 
-def packs_for(model, tok, text: str, ratios: list[float], queries: int, budgets=("global",), variants=VARIANTS,
+def packs_for(model, tok, text: str, ratios: list[float], queries: int | None, budgets=("global",), variants=VARIANTS,
               timings: dict | None = None, fingerprint: dict | None = None
               ) -> dict[tuple[str, str, float], object]:
     """``{(variant, budget, ratio): Pack}`` from one prefill, one KVzip scoring pass and one reference-query pass
@@ -100,6 +100,7 @@ def packs_for(model, tok, text: str, ratios: list[float], queries: int, budgets=
                 "queries", "on_policy", "ridge_search", "score_queries")
         return tuple((k, p[k]) for k in keys if k in p)
 
+    given = {} if queries is None else {"queries": queries}  # --queries, unless a spec names its own
     out, spent = {}, {name: 0.0 for name in variants}
     for name, (method, p) in specs.items():
         if method != "am":
@@ -107,7 +108,7 @@ def packs_for(model, tok, text: str, ratios: list[float], queries: int, budgets=
         key = source_of(p)
         if key not in scorers:  # the repeat pass again (it records the queries), plus any other source
             t0 = time.perf_counter()
-            scorers[key] = get_method("am", **{"queries": queries, **dict(key)})
+            scorers[key] = get_method("am", **{**given, **dict(key)})
             source_scores[key] = scorers[key].score(model, tok, full)  # KVzip's, or score_queries="reference"'s
             source_seconds[key] = time.perf_counter() - t0
     for budget in budgets:
@@ -115,7 +116,7 @@ def packs_for(model, tok, text: str, ratios: list[float], queries: int, budgets=
             for name, (method, p) in specs.items():
                 t0 = time.perf_counter()
                 if method == "am":
-                    m = get_method("am", **{"queries": queries, **p})
+                    m = get_method("am", **{**given, **p})
                     source = scorers[source_of(p)]
                     m._spec, m._reservoirs = source._spec, source._reservoirs
                     m._validation = getattr(source, "_validation", None)  # ridge_search's queries
@@ -150,7 +151,8 @@ def main() -> None:
     ap.add_argument("--mq-contexts", type=int, default=1)
     ap.add_argument("--mq-length", type=int, default=1024)
     ap.add_argument("--mq-facts", type=int, default=4)
-    ap.add_argument("--queries", type=int, default=4096)
+    ap.add_argument("--queries", type=int, default=None,
+                    help="reference queries per KV head of every AM variant that names none (default: AM's own)")
     ap.add_argument("--seed", type=int, default=0,
                     help="seed of the passages and multi-query contexts (0: the bench's own; choose options on "
                          "another seed than the one reported)")
