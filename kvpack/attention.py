@@ -95,7 +95,7 @@ def logit_mask(visible: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) ->
     return torch.where(visible, bias[:, None, :].float(), float("-inf")).to(dtype)
 
 
-def scored_attention_dense(query, key, value, past: int, scaling, scores):
+def scored_attention_dense(query, key, value, past: int, scaling, scores, context=None):
     """KVzip's repeat pass on CPU when every head sees all ``past`` cached entries (no padding, no window).
 
     The queries are the last ``q`` of the keys: they see the ``past`` entries and, causally, each other. The
@@ -108,12 +108,14 @@ def scored_attention_dense(query, key, value, past: int, scaling, scores):
         query: ``[1, heads, q, head_dim]``; key, value: ``[1, kv_heads, past + q, head_dim]``.
         past: cached entries before the queries' own keys (``>= n``).
         scaling: softmax temperature; scores: ``[kv_heads, n]`` float32, updated in place.
+        context: optional ``kvpack.stats.ContextAttention`` (Attention Matching's RMS selection), filled in by the
+            float32 pass from the same probabilities; in other dtypes it is left unresolved.
 
     Returns:
         ``[1, q, heads, head_dim_v]`` attention output.
     """
     if query.dtype == torch.float32:
-        return one_pass_attention(query, key, value, scaling, max_scores=scores)[0]
+        return one_pass_attention(query, key, value, scaling, max_scores=scores, context=context)[0]
     return _scored_attention_flash(query, key, value, past, scaling, scores)
 
 
@@ -306,9 +308,10 @@ def kvpack_attention_forward(module, query, key, value, attention_mask, dropout:
         raise UnsupportedModelError("a kvpack cache serves one sequence at a time (batch size 1)")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    if layer.queries is not None:  # Attention Matching's reference queries (post q-norm and RoPE)
+    reservoir = layer.queries
+    if reservoir is not None:  # Attention Matching's reference queries (post q-norm and RoPE)
         # its on-policy sweep (kvpack.methods.am_sweep) returns the compacted layer this call attends to instead
-        layer = layer.queries.append((query[0].detach(), float(scaling))) or layer
+        layer = reservoir.append((query[0].detach(), float(scaling))) or layer
     window = kwargs.get("sliding_window")
     if layer.scores is None:
         return packed_attention(query, layer, scaling, window), None
@@ -318,7 +321,10 @@ def kvpack_attention_forward(module, query, key, value, attention_mask, dropout:
     weights = layer.score_weights  # KVzip+ (kvpack.methods.kvzip_plus)
     if (bias is None and weights is None and query.device.type == "cpu" and layer.dense and window is None
             and layer.tail_length == query.shape[2]):
-        return scored_attention_dense(query, key, value, layer.kept, scaling, layer.scores), None
+        # the reservoir may ask for these queries' attention over the context too (AM's RMS selection)
+        wants = getattr(reservoir, "context_attention", None)
+        context = wants(layer.kept) if wants is not None else None
+        return scored_attention_dense(query, key, value, layer.kept, scaling, layer.scores, context), None
     visible = _visibility(positions, query.shape[2], window)
     return masked_attention(query, key, value, visible, scaling, scores=layer.scores, bias=bias,
                             score_weights=weights), None

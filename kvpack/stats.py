@@ -33,7 +33,7 @@ import torch
 from .attention_math import flash
 from .model import ModelSpec
 
-__all__ = ["AttentionRecorder", "attention_with_column_sums", "one_pass_attention", "one_pass_applies", "column_sums",
+__all__ = ["AttentionRecorder", "ContextAttention", "attention_with_column_sums", "one_pass_attention", "one_pass_applies", "column_sums",
            "window_sums", "visible_mask", "SUM_BLOCK_ELEMENTS", "ONE_PASS_BLOCK_ELEMENTS"]
 
 #: Entries of one block of probabilities when column sums are summed explicitly (64 MB of float32).
@@ -105,9 +105,40 @@ def attention_with_column_sums(query: torch.Tensor, key: torch.Tensor, value: to
     return one_pass_attention(query, key, value, scaling, column_sums=True)
 
 
+class ContextAttention:
+    """What ``one_pass_attention`` also computes, when given one, of its queries' attention restricted to a range of
+    keys ``start .. stop - 1`` that every query sees (a context): the softmax over those keys alone, from the same
+    probabilities. Attention Matching's RMS selection and fit need exactly this of KVzip's repeat-pass queries over
+    the context (arXiv 2602.16284's ``score_method="rms"``; ``kvpack.methods.am``), so a repeat pass that sees the
+    whole context gives it without a second pass over the context.
+
+    Args:
+        start, stop: the key range (``0 <= start < stop``; it must lie before the queries' own keys).
+
+    Attributes (after the call; GQA group ``g`` of KV head ``h`` is query head ``h x group + g``):
+        output: ``[kv_heads, group, q, dv]`` float32, ``softmax(q . k[start:stop] * scaling) @ v[start:stop]``.
+        lse: ``[kv_heads, group, q]`` float32, ``logsumexp(q . k[start:stop] * scaling)``.
+        square_sums: ``[kv_heads, stop - start]`` float32, per key the sum over the queries and the group of that
+            softmax's probability squared (``rms = sqrt(square_sums / (group x q))``).
+        resolved: ``False`` while not computed, or when some query's probability mass on the range was too small
+            (below ``MIN_MASS``) for the restricted softmax to keep float32's precision; use neither then.
+    """
+
+    #: Least share of a query's attention the range may hold for its restricted softmax to be taken from the whole
+    #: softmax's probabilities (below it those probabilities have lost most of their float32 digits).
+    MIN_MASS = 1e-20
+
+    def __init__(self, start: int, stop: int):
+        if not 0 <= start < stop:
+            raise ValueError(f"ContextAttention: need 0 <= start < stop, got {start}, {stop}")
+        self.start, self.stop = int(start), int(stop)
+        self.output = self.lse = self.square_sums = None
+        self.resolved = False
+
+
 def one_pass_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, *,
-                       column_sums: bool = False, max_scores: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       column_sums: bool = False, max_scores: torch.Tensor | None = None,
+                       context: ContextAttention | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal attention of queries that are the last ``q`` of the keys, with statistics of its probabilities taken
     from the same blocks: column sums (H2O, arXiv 2306.14048 §3; D2O, arXiv 2406.13035 §3.1) and/or the running
     maximum over queries and GQA group (KVzip's entry score, arXiv 2505.23416 §3.2, Eq. 2).
@@ -120,6 +151,9 @@ def one_pass_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         max_scores: optional ``[kv_heads, n]`` float32 (``n <= kv``), updated in place to
             ``max(max_scores, max over queries i and the query heads of the GQA group of p[i, j])`` for the
             first ``n`` keys.
+        context: optional ``ContextAttention`` filled in from the same probabilities (its range must end at or
+            before ``kv - q``, else ``ValueError``); the block's softmax is then written out (row max, exponential,
+            row sum) instead of ``torch.softmax``, to know each query's log-sum-exp.
 
     Returns:
         ``(out, sums)``: ``out`` ``[1, q, heads, head_dim_v]`` in the query's dtype (the layout transformers
@@ -146,19 +180,45 @@ def one_pass_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     block = min(q_len, max(1, ONE_PASS_BLOCK_ELEMENTS // (heads * kv_len)))  # queries a block
     hidden = torch.ones(block, block, dtype=torch.bool, device=q.device).triu_(1)  # key after query, in a block
     buffer = q.new_empty(heads * block * kv_len)  # one block's probabilities, reused (no allocation per block)
+    if context is not None:
+        if context.stop > past:
+            raise ValueError(f"one_pass_attention: the context range ends at {context.stop}, after the {past} "
+                             "entries every query sees")
+        a, z = context.start, context.stop
+        context.output = q.new_empty(kv_heads, group, q_len, v.shape[-1])
+        context.lse = q.new_empty(kv_heads, group, q_len)
+        context.square_sums = q.new_zeros(kv_heads, z - a)
+        least_mass = float("inf")
     for s in range(0, q_len, block):
         e = min(q_len, s + block)
         b, n = e - s, past + e
         p = buffer[: heads * b * n].view(kv_heads, group * b, n)
         torch.bmm(q[:, :, s:e].reshape(kv_heads, group * b, dim), k[:, :n].transpose(1, 2), out=p)  # logits
         p.view(kv_heads, group, b, n)[..., past + s :].masked_fill_(hidden[:b, :b], float("-inf"))
-        torch.softmax(p, dim=-1, out=p)
-        out[:, :, s:e] = torch.bmm(p, v[:, :n]).view(kv_heads, group, b, -1)
+        if context is None:
+            torch.softmax(p, dim=-1, out=p)
+            out[:, :, s:e] = torch.bmm(p, v[:, :n]).view(kv_heads, group, b, -1)
+        else:  # the softmax written out, for each row's log-sum-exp: log(total) + peak
+            peak = p.amax(dim=-1, keepdim=True)
+            total = p.sub_(peak).exp_().sum(dim=-1, keepdim=True)
+            p.div_(total)
+            inside = p[..., a:z]  # [kv_heads, group * b, z - a]
+            mass = inside.sum(dim=-1, keepdim=True)  # each row's share of attention on the context
+            least_mass = min(least_mass, float(mass.min()))
+            raw = torch.bmm(inside, v[:, a:z])
+            out[:, :, s:e] = (raw + torch.bmm(p[..., :a], v[:, :a]) + torch.bmm(p[..., z:n], v[:, z:n])
+                              ).view(kv_heads, group, b, -1)
+            context.output[:, :, s:e] = (raw / mass).view(kv_heads, group, b, -1)
+            context.lse[:, :, s:e] = (peak + total.log() + mass.log()).view(kv_heads, group, b)
         if sums is not None:
             sums[..., :n] += p.view(kv_heads, group, b, n).sum(dim=2)
         if n_scores:
             m = min(n_scores, n)
             max_scores[:, :m] = torch.maximum(max_scores[:, :m], p[:, :, :m].amax(dim=1))
+        if context is not None:  # last: the block's probabilities on the context are squared in place
+            context.square_sums += torch.bmm(mass.square().reciprocal_().transpose(1, 2), inside.square_())[:, 0]
+    if context is not None:
+        context.resolved = least_mass >= ContextAttention.MIN_MASS
     out = out.view(1, heads, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
     return out, None if sums is None else sums.view(heads, kv_len)
 

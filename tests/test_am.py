@@ -567,6 +567,19 @@ def test_ridge_search_takes_the_candidate_best_on_the_validation_queries():
     assert set(errors) == set(CANDIDATES) and name == min(errors, key=errors.get)
     assert name.startswith("ridge") and errors[name] < 0.8 * errors["selection"]
     assert torch.equal(beta, fit.beta) and values.shape == (len(kept), d)
+    # the candidates share their softmaxes: each error is that of the head's own causal attention (causal_output)
+    from kvpack.methods.am_fit import relative_error
+    from kvpack.methods.am_validate import causal_output
+
+    qpos, rows = torch.full((300,), T - 1), torch.cat([torch.arange(sink), sink + kept])
+    full = causal_output(like, qpos, K, pos, V, d ** -0.5)
+    for candidate, b in (("selection", torch.zeros(sink + len(kept))), ("copy", torch.cat([torch.zeros(sink),
+                                                                                           fit.beta]))):
+        out = causal_output(like, qpos, K[rows], pos[rows], V[rows], d ** -0.5, b)
+        assert errors[candidate] == pytest.approx(relative_error(full, out), rel=1e-5)
+    out = causal_output(like, qpos, K[rows], pos[rows], torch.cat([V[:sink], values]), d ** -0.5,
+                        torch.cat([torch.zeros(sink), beta]))
+    assert errors[name] == pytest.approx(relative_error(full, out), rel=1e-5)
     # queries that see only the sink and the first context entry (kept): the selection is exact there, a fit is not
     name, beta, values, errors = choose_fit(K, V, pos, sink, kept, fit.beta, *fit.design, like * 0,
                                             torch.full((300,), sink), d ** -0.5)
@@ -960,3 +973,52 @@ def test_kvzip_plus_scoring_gives_am_kvzip_plus_selection():
             assert torch.equal(getattr(a, part), getattr(b, part)), part
     assert any(not torch.equal(a.positions, b.positions) for a, b in zip(plus.layers, plain.layers))
     assert am.metadata["stats"]["fit"]["queries"] > 0
+
+
+@pytest.mark.parametrize("reference", ["repeat", "self-study+repeat"])
+def test_rms_selection_takes_the_repeat_pass_attention_over_a_whole_context(monkeypatch, reference):
+    """A repeat pass over the whole context (one chunk) also records its queries' attention over the context
+    (``QueryReservoir.context_attention``): the RMS selection then attends again only the rows without it (the
+    self-study answers') and the held-out rows whose squares it subtracts; its scores, the fit's targets and
+    log-sum-exps, and so the kept entries, are the explicit pass's (to float32 rounding)."""
+    import kvpack.methods.am as am_module
+
+    model, tok = tiny_model("llama")
+    spec, layout = model_spec(model), chat_layout(tok)
+    prefix = layout.prefix_ids(tok)
+    full = prefill(model, prefix + layout.encode(tok, TEXT), len(prefix), layout, spec, 4096)
+    rows, real = [], am_module.rms_attention
+
+    def counted(queries, keys, scaling, values=None):
+        rows.append(queries.shape[0])
+        return real(queries, keys, scaling, values=values)
+
+    def select():
+        rows.clear()
+        scorer = get_method("am", chunk_size=4096, reference=reference, self_study_tokens=3)
+        keep = scorer.select(scorer.score(model, tok, full), 0.3, full)
+        return scorer, keep, sum(rows)
+
+    monkeypatch.setattr(am_module, "rms_attention", counted)
+    shared, keep, shared_rows = select()
+    assert all(r.contexts and r.context_statistics() is not None for r in shared._reservoirs)
+    monkeypatch.setattr(QueryReservoir, "context_attention", lambda self, visible: None)
+    explicit, explicit_keep, explicit_rows = select()
+    heads = len(spec.compressed_layers) * spec.num_kv_heads
+    fit, held, _ = explicit._reference(0)
+    assert explicit_rows == heads * fit.shape[1]
+    if reference == "repeat":
+        assert shared_rows == heads * held.shape[1]  # only the held-out rows, whose squares are subtracted
+    else:
+        assert heads * held.shape[1] < shared_rows < explicit_rows
+    assert torch.equal(keep, explicit_keep)
+    assert shared._context_cache.keys() == explicit._context_cache.keys() and shared._context_cache
+    for key, (q, target, lse) in explicit._context_cache.items():
+        q2, target2, lse2 = shared._context_cache[key]
+        # the repeat pass's own output is summed in another order (context part apart), so the next layers' queries
+        # move by float32 rounding
+        torch.testing.assert_close(q2, q, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(target2, target, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse2, lse, atol=1e-5, rtol=1e-5)
+    for i in range(len(spec.compressed_layers)):
+        torch.testing.assert_close(shared._rms_scores(full, i), explicit._rms_scores(full, i), atol=1e-6, rtol=1e-4)

@@ -136,3 +136,34 @@ def test_visible_mask_of_the_last_queries_is_the_tail_of_the_full_mask(window):
     full = visible_mask(13, 31, window)
     for first in (0, 5, 12):
         assert torch.equal(visible_mask(13, 31, window, first=first), full[first:])
+
+
+def test_one_pass_context_attention_is_the_softmax_over_the_context_alone():
+    """``one_pass_attention(context=ContextAttention(a, z))``: the output is unchanged, and the context's restricted
+    softmax (output, log-sum-exp, squared probabilities summed over the queries and GQA group) is
+    ``am_fit.rms_attention``'s over keys ``a .. z - 1``; a range the queries cannot all see is refused."""
+    from kvpack.methods.am_fit import rms_attention
+    from kvpack.stats import ContextAttention, one_pass_attention
+
+    g = torch.Generator().manual_seed(0)
+    kv, group, q_len, past, d = 2, 3, 37, 50, 16
+    query = torch.randn(1, kv * group, q_len, d, generator=g)
+    key, value = (torch.randn(1, kv, past + q_len, d, generator=g) for _ in range(2))
+    plain, _ = one_pass_attention(query, key, value, 0.3)
+    context = ContextAttention(4, past)
+    out, _ = one_pass_attention(query, key, value, 0.3, context=context)
+    torch.testing.assert_close(out, plain, atol=1e-6, rtol=1e-5)
+    assert context.resolved
+    for h in range(kv):
+        rows = query[0, h * group : (h + 1) * group].reshape(-1, d)
+        rms, output, lse = rms_attention(rows, key[0, h, 4:past], 0.3, values=value[0, h, 4:past])
+        torch.testing.assert_close(context.output[h].reshape(-1, d), output, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(context.lse[h].reshape(-1), lse, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close((context.square_sums[h] / rows.shape[0]).sqrt(), rms, atol=1e-7, rtol=1e-5)
+    with pytest.raises(ValueError, match="context range"):
+        one_pass_attention(query, key, value, 0.3, context=ContextAttention(4, past + 1))
+    # a context that holds (almost) none of the attention: not resolved, its softmax would have lost its digits
+    key[0, :, :4] = query[0].reshape(kv, group * q_len, d).mean(dim=1, keepdim=True) * 1e3
+    starved = ContextAttention(4, past)
+    one_pass_attention(query, key, value, 0.3, context=starved)
+    assert not starved.resolved

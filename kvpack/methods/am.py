@@ -13,6 +13,7 @@ import torch
 from .. import constants as C
 from ..pack import LayerEntries
 from ..prefill import Prefill
+from ..stats import ContextAttention
 from .am_fit import attention_output, fit_head, max_attention, relative_error, rms_attention
 from .am_validate import TAIL_TOKENS, choose_fit
 from .base import top_k_rows
@@ -55,16 +56,60 @@ class QueryReservoir:
         self.parts: list[torch.Tensor] = []
         self.scaling: float | None = None
         self.generator = torch.Generator().manual_seed(seed)
-        # cached (number of parts, pool) and (held_out, (fit, held)) of that pool: see split
+        # cached (number of parts, pool) and (held_out, (fit, held), (fit rows, held rows)) of that pool: see split
         self._pool: tuple[int, torch.Tensor] | None = None
-        self._split: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._split: tuple[int, tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+        #: Key range ``(start, stop)`` of the context in the calls' keys, set while the calls are KVzip's repeat pass
+        #: over the whole context: each such call is then also asked for its queries' attention over that range
+        #: (``context_attention``), so the RMS selection need not attend over the context again.
+        self.context_range: tuple[int, int] | None = None
+        self.contexts: dict[int, ContextAttention] = {}  # part index -> its queries' attention over the context
+        self._whole = False  # whether the last appended part kept every row
 
     def append(self, item: tuple[torch.Tensor, float]) -> None:
         """Add one attention call's ``(query [heads, q, head_dim], scaling)``."""
         query, self.scaling = item
         heads, q, d = query.shape
         pooled = query.reshape(self.kv_heads, (heads // self.kv_heads) * q, d)
+        self._whole = pooled.shape[1] <= self.cap
         self.parts.append(self._subsample(pooled).float())
+
+    def context_attention(self, visible: int) -> ContextAttention | None:
+        """For the attention call that just appended its queries, seeing its first ``visible`` keys: a
+        ``ContextAttention`` over ``context_range`` for it to fill in (kept as that part's), or ``None`` when no
+        range is set, the range is not all visible, or the part was subsampled."""
+        if self.context_range is None or not self._whole or self.context_range[1] > visible or not self.parts:
+            return None
+        context = ContextAttention(*self.context_range)
+        self.contexts[len(self.parts) - 1] = context
+        return context
+
+    def context_statistics(self) -> "PooledContext | None":
+        """The recorded ``ContextAttention`` of the pool's rows (``PooledContext``), or ``None`` when there are
+        none, one did not resolve, or the pool is subsampled (its square sums would count rows the pool lacks)."""
+        if not self.contexts or sum(p.shape[1] for p in self.parts) > self.cap:
+            return None
+        if not all(c.resolved for c in self.contexts.values()):
+            return None
+        sizes = [p.shape[1] for p in self.parts]
+        any_context = next(iter(self.contexts.values()))
+        dv = any_context.output.shape[-1]
+        has, output, lse, squares = torch.zeros(sum(sizes), dtype=torch.bool), [], [], None
+        start = 0
+        for index, rows in enumerate(sizes):
+            c = self.contexts.get(index)
+            if c is None or c.output.shape[1] * c.output.shape[2] != rows:
+                output.append(torch.zeros(self.kv_heads, rows, dv))
+                lse.append(torch.zeros(self.kv_heads, rows))
+            else:
+                has[start : start + rows] = True
+                output.append(c.output.reshape(self.kv_heads, rows, dv).cpu())
+                lse.append(c.lse.reshape(self.kv_heads, rows).cpu())
+                squares = c.square_sums.cpu() if squares is None else squares + c.square_sums.cpu()
+            start += rows
+        if squares is None:
+            return None
+        return PooledContext(has, torch.cat(output, dim=1), torch.cat(lse, dim=1), squares)
 
     def _subsample(self, pooled: torch.Tensor) -> torch.Tensor:
         n = pooled.shape[1]
@@ -88,8 +133,29 @@ class QueryReservoir:
             held = min(held_out, n // 8)
             # held-out rows drawn at random (not the pool's first rows: those are one query head's first positions)
             order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + 1)).to(pool.device)
-            self._split = held_out, (pool[:, order[held:].sort().values], pool[:, order[:held].sort().values])
+            fit_rows, held_rows = order[held:].sort().values, order[:held].sort().values
+            self._split = held_out, (pool[:, fit_rows], pool[:, held_rows]), (fit_rows.cpu(), held_rows.cpu())
         return self._split[1]
+
+    def split_rows(self, held_out: int = HELD_OUT) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(fit rows, held rows)``: int64 indices into the pool of ``split``'s two parts (the pool is the parts
+        concatenated when it is not subsampled). Raises ``RuntimeError`` if nothing was recorded."""
+        self.split(held_out)
+        return self._split[2]
+
+
+@dataclass
+class PooledContext:
+    """The repeat pass's attention over the context for a ``QueryReservoir``'s pool of ``N`` rows
+    (``QueryReservoir.context_statistics``): ``has`` ``[N]`` bool, the rows that have it; ``output``
+    ``[kv_heads, N, dv]`` and ``lse`` ``[kv_heads, N]`` float32 (zeros where ``has`` is false); ``square_sums``
+    ``[kv_heads, context]`` float32, per context entry the sum over the rows that have it of its probability
+    squared (``kvpack.stats.ContextAttention``)."""
+
+    has: torch.Tensor
+    output: torch.Tensor
+    lse: torch.Tensor
+    square_sums: torch.Tensor
 
 
 @dataclass
@@ -215,6 +281,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     def __post_init__(self):
         super().__post_init__()
         self._reservoirs: list[QueryReservoir] | None = None
+        self._context_range: tuple[int, int] | None = None  # the context's keys in a whole-context repeat pass
         self._sequences = None  # on_policy: the token sequences the reference source fed (replayed per layer)
         self._rerecorded = None  # (prefill, PrefillQueries) made by _prefill_queries for a prefill without them
         # (compressed layer, KV head) -> (fit queries, output, lse): the context attention the RMS selection computed
@@ -251,6 +318,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         spec = self._spec
         for i, l in enumerate(spec.compressed_layers):
             cache.layers[l].queries = self._reservoirs[i]
+            self._reservoirs[i].context_range = self._context_range if start == 0 else None
 
     @torch.inference_mode()
     def score(self, model, tokenizer, prefill: Prefill, progress: Callable[[int], None] | None = None
@@ -262,6 +330,10 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             check_schedule(self._schedule, model, tokenizer, path=f"schedule file {self.schedule}")
         self._reservoirs = self._new_reservoirs(prefill)
         self._model, self._tokenizer = model, tokenizer
+        # a repeat pass over the whole context (one chunk) also gives the RMS selection its attention over the
+        # context (QueryReservoir.context_attention), from the same probabilities
+        whole = prefill.context_tokens <= self.chunk_size and self.selection in ("rms", "kvzip+rms")
+        self._context_range = (prefill.sink, prefill.sink + prefill.context_tokens) if whole else None
         # KVzip's repeat pass records the repeat queries and scores the entries: not needed when neither is used
         repeat_unused = self.score_queries == "reference" and self.reference in REFERENCES_WITHOUT_REPEAT
         scores = None if repeat_unused else super().score(model, tokenizer, prefill, progress)
@@ -409,22 +481,51 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         head's kept entries), for each head that ``_fitted`` says will be fitted on these same queries (off-policy,
         ``shift="lse"``) the same pass also computes the queries' attention over the context and keeps it for the
         fit (``_context_cache``, up to ``CONTEXT_CACHE_BYTES``)."""
-        fit, _, scaling = self._reference(i)
+        fit, held, scaling = self._reference(i)
         layer = prefill.spec.compressed_layers[i]
         keys = prefill.keys[layer][:, prefill.sink :].float()
         values = prefill.values[layer][:, prefill.sink :]
         share = counts is not None and self.shift == "lse" and not self.on_policy
+        # the repeat pass's own attention over the context, where it recorded it (QueryReservoir.context_attention):
+        # only the rows without it (self-study's) are attended here, and the held-out rows' squares subtracted
+        pooled = self._reservoirs[i].context_statistics() if self._reservoirs is not None else None
+        if pooled is not None and pooled.square_sums.shape[-1] != keys.shape[1]:
+            pooled = None
+        if pooled is not None:
+            fit_rows, held_rows = self._reservoirs[i].split_rows()
+            missing, held_known = ~pooled.has[fit_rows], pooled.has[held_rows]
         out = []
         for h in range(keys.shape[0]):
             row_bytes = 4 * (values.shape[-1] + 1)
             cached = sum(4 * c[1].numel() + 4 * c[2].numel() for c in self._context_cache.values())
-            if (share and self._fitted(int(counts[h]), keys.shape[1], fit.shape[1])
-                    and cached + fit.shape[1] * row_bytes <= CONTEXT_CACHE_BYTES):
-                rms, target, lse = rms_attention(fit[h], keys[h], scaling, values=values[h].float())
+            keep = (share and self._fitted(int(counts[h]), keys.shape[1], fit.shape[1])
+                    and cached + fit.shape[1] * row_bytes <= CONTEXT_CACHE_BYTES)
+            if pooled is None:
+                if keep:
+                    rms, target, lse = rms_attention(fit[h], keys[h], scaling, values=values[h].float())
+                    self._context_cache[(i, h)] = (fit, target, lse)
+                else:
+                    rms = rms_attention(fit[h], keys[h], scaling)
+                out.append(rms)
+                continue
+            squares = pooled.square_sums[h].to(keys.device).clone()
+            if bool(held_known.any()):
+                rows = held[h][held_known.to(held.device)]
+                squares -= rms_attention(rows, keys[h], scaling).square_().mul_(rows.shape[0])
+            if keep:
+                target = pooled.output[h][fit_rows].to(keys.device)
+                lse = pooled.lse[h][fit_rows].to(keys.device)
+            if bool(missing.any()):
+                rows = fit[h][missing.to(fit.device)]
+                if keep:
+                    rms, target[missing], lse[missing] = rms_attention(rows, keys[h], scaling,
+                                                                       values=values[h].float())
+                else:
+                    rms = rms_attention(rows, keys[h], scaling)
+                squares += rms.square_().mul_(rows.shape[0])
+            if keep:
                 self._context_cache[(i, h)] = (fit, target, lse)
-            else:
-                rms = rms_attention(fit[h], keys[h], scaling)
-            out.append(rms)
+            out.append(squares.clamp_min_(0).div_(max(1, fit.shape[1])).sqrt_())
         return torch.stack(out).cpu()
 
     def _fitted(self, kept: int, context: int, n_fit: int) -> bool:

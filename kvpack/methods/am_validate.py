@@ -70,8 +70,15 @@ def choose_fit(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
     """
     full = causal_output(queries, query_pos, keys, positions, values, scaling)
     rows = torch.cat([torch.arange(sink, device=keys.device), sink + kept])
-    sink_bias = torch.zeros(sink, device=keys.device)
     copied = values[sink + kept]
+    # every candidate attends over the same [sink, kept] keys, with beta = 0 (selection) or the fitted beta (the
+    # rest): two softmaxes for all of them, the sink's share of each output computed once
+    logits = (queries.float() @ keys[rows].float().T).mul_(scaling)  # [m, sink + t]
+    logits.masked_fill_(positions[rows][None, :] > query_pos[:, None], float("-inf"))
+    fitted_bias = torch.cat([torch.zeros(sink, device=keys.device), beta.float()])
+    sink_values = values[:sink].float()
+    probs = {0: logits.softmax(dim=-1), 1: (logits + fitted_bias).softmax(dim=-1)}
+    sink_part = {b: p[:, :sink] @ sink_values for b, p in probs.items()}
     errors, best = {}, None
     G, XtY = normal if normal is not None else (gram(X), X.T @ Y)  # one normal system for every ridge
     for name in CANDIDATES:
@@ -86,8 +93,8 @@ def choose_fit(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
             b = beta
             if not bool((v.abs() <= limit).all()):  # also NaN
                 continue
-        out = causal_output(queries, query_pos, keys[rows], positions[rows], torch.cat([values[:sink], v]), scaling,
-                            torch.cat([sink_bias, b]))
+        fitted = int(name != "selection")
+        out = torch.addmm(sink_part[fitted], probs[fitted][:, sink:], v.float())
         errors[name] = relative_error(full, out)
         if best is None or errors[name] < errors[best[0]]:
             best = (name, b, v)
