@@ -180,6 +180,12 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     ``kvpack.methods.am_prefill``; free when the prefill ran with this method's ``recorder``, one more prefill
     otherwise), and ``"prefill+repeat"`` pools them with the repeat pass's.
 
+    When KVzip's repeat pass sees the whole context (one chunk, ``context_tokens <= chunk_size``) and the pass is the
+    float32 one (``kvpack.stats.one_pass_attention``), it also gives the RMS selection its queries' attention over
+    the context from the same probabilities (``QueryReservoir.context_attention``): only the reference rows
+    without it (the self-study answers') are attended again. Otherwise the selection attends over the context
+    itself; the results agree to float32 rounding (``tests/test_am.py``).
+
     Kept keys: ``ratio`` is the share of all context entries kept, over every compressed layer and KV head, split
     per head by ``budgets`` (``kvpack.methods.budgets``) over KVzip's scores: ``"global-capped"`` (default: KVzip's
     global top-k with no head above ``max_head_ratio`` of its own entries, the paper's 0.75 cap), ``"global"``
