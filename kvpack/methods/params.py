@@ -290,8 +290,9 @@ class AttentionMatchingParams(KVzipParams):
                 raise InputError(f"am: schedule must be a file path, got {self.schedule!r}")
             self.schedule = str(self.schedule)
         if (self.budgets == "schedule") != (self.schedule is not None):
-            raise InputError("am: --budgets schedule (budgets='schedule') and --schedule FILE (schedule=) go "
-                             f"together; got budgets={self.budgets!r}, schedule={self.schedule!r}")
+            raise InputError("am: --budgets schedule and --schedule FILE (budgets='schedule' and schedule='FILE' in "
+                             f"the API) go together; got budgets={self.budgets!r}, schedule={self.schedule!r}; give "
+                             "both, or neither")
         check_bool(self.name, "on_policy", self.on_policy)
         check_bool(self.name, "held_out_check", self.held_out_check)
         check_choice(self.name, "shift", self.shift, SHIFTS)
