@@ -56,7 +56,8 @@ def describe_pack(path: str | os.PathLike, header: PackHeader | None = None, *,
     ``sink_tokens``, ``entries_kept`` (all layers and KV heads), ``quant`` (type), ``group_size``, ``zstd_level``,
     ``source`` (name, sha256, chars), ``model`` (fingerprint name), ``architecture``, ``dtype`` (the model's
     compute dtype at build), ``kv_dtype`` (the stored keys' and values' dtype),
-    ``kvpack_version``.
+    ``kvpack_version``, and ``fit`` (Attention Matching's fit statistics, ``fit_summary``; ``None`` for other
+    methods).
 
     Raises:
         PackFormatError subclasses, InputError: as ``kvpack.fileformat.read_header``.
@@ -74,7 +75,52 @@ def describe_pack(path: str | os.PathLike, header: PackHeader | None = None, *,
         "source": {k: source.get(k) for k in ("name", "sha256", "chars")}, "model": fp.get("name"),
         "architecture": fp.get("architecture"), "dtype": fp.get("dtype"), "kv_dtype": header.kv_dtype_name,
         "kvpack_version": meta.get("kvpack_version"),
+        "fit": fit_summary(meta.get("stats")),
     }
+
+
+#: Most compressed layers and rule or choice names ``fit_summary`` reports (a hostile header may record more).
+MAX_FIT_LAYERS, MAX_FIT_NAMES = 4096, 16
+
+
+def fit_summary(stats) -> dict[str, Any] | None:
+    """Attention Matching's fit statistics as a pack's metadata records them (``stats["fit"]``,
+    ``kvpack.methods.am``), checked field by field, for ``info --json``: ``held_out``, ``queries`` (per KV head),
+    ``heads_unfitted``, ``heads_rejected`` (ints or ``None``), ``relative_error``, ``selection_error``,
+    ``mass_error`` (per compressed layer, finite floats or ``None``; at most ``MAX_FIT_LAYERS``),
+    ``heads_rejected_by`` and ``ridge_search`` (``{name: count}``, at most ``MAX_FIT_NAMES``; ``None`` when not
+    recorded: ``ridge_search`` without ``--ridge-search``, ``heads_rejected_by`` in packs from before it).
+    ``None`` when the pack records no fit. A field of the wrong type reads as ``None``: the header may
+    come from anywhere. Raises nothing."""
+    fit = stats.get("fit") if isinstance(stats, dict) else None
+    if not isinstance(fit, dict) or not isinstance(fit.get("relative_error"), list):
+        return None
+
+    def count(x):
+        return x if isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**63 else None
+
+    def number(x):
+        if not isinstance(x, (int, float)) or isinstance(x, bool):
+            return None
+        try:
+            x = float(x)
+        except OverflowError:  # an integer beyond the float range
+            return None
+        return x if abs(x) < float("inf") else None  # also NaN
+
+    def per_layer(key):
+        xs = fit.get(key)
+        return [number(x) for x in xs[:MAX_FIT_LAYERS]] if isinstance(xs, list) else None
+
+    def counts(key):
+        d = fit.get(key)
+        if not isinstance(d, dict):
+            return None
+        return {str(k)[:64]: count(v) for k, v in list(d.items())[:MAX_FIT_NAMES]}
+
+    return {**{k: count(fit.get(k)) for k in ("held_out", "queries", "heads_unfitted", "heads_rejected")},
+            **{k: per_layer(k) for k in ("relative_error", "selection_error", "mass_error")},
+            "heads_rejected_by": counts("heads_rejected_by"), "ridge_search": counts("ridge_search")}
 
 
 def list_packs(folder: str | os.PathLike, *, storage_options: dict | None = None) -> list[dict[str, Any]]:

@@ -261,6 +261,13 @@ def test_build_with_method_options_and_info_shows_them(docs, models, tmp_path, a
     assert ("attention matching fit" in info) == ("am" in args)
     # --ridge-search is AM's default
     assert ("heads by validated choice (--ridge-search)" in info) == ("am" in args and "--no-ridge-search" not in args)
+    if "am" in args:  # info --json has the fit statistics the text shows
+        fit = json.loads(_run(["info", str(out / "alpha.kvpack"), "--json"]).stdout)["fit"]
+        block = info.split("attention matching fit", 1)[1].split("\n\n", 1)[0]
+        layers = re.findall(r"^\s+\d+\s+\S+\s+\S+\s+\S+$", block, re.M)
+        assert fit and len(fit["relative_error"]) == len(layers) > 0
+        assert (fit["ridge_search"] is not None) == ("--no-ridge-search" not in args)
+        assert fit["queries"] > 0 and fit["held_out"] > 0
     if "both" in args:  # kvpack ls names the options that differ from the method's defaults
         listing = _run(["ls", str(out)]).stdout
         assert re.search(r"alpha\.kvpack\s+alpha\.txt\s+am\[queries=64;queries_per_entry=2\.0;reference=both\]\s+"
@@ -361,3 +368,17 @@ def test_build_help_shows_each_method_options_default_booleans_as_their_flag():
     text = re.sub(r"-\s+", "-", " ".join(_run(["build", "--help"]).stdout.split()))  # the help's wrapping undone
     assert "[default: --ridge-search]" in text and "[default: --no-on-policy]" in text
     assert "[default: 8192]" in text and "[default: self-study+repeat]" in text and "[default: rms]" in text
+
+
+def test_fit_summary_checks_every_field_of_a_hostile_header():
+    from kvpack.listing import fit_summary
+
+    fit = {"relative_error": [0.1, None, float("nan"), 10**400, True, "x"], "queries": 3840, "held_out": True,
+           "heads_unfitted": -1, "heads_rejected_by": {"value_bound": 2, 3: "x"}, "ridge_search": ["selection"]}
+    got = fit_summary({"fit": fit})
+    assert got["relative_error"] == [0.1, None, None, None, None, None] and got["selection_error"] is None
+    assert got["queries"] == 3840 and got["held_out"] is None and got["heads_unfitted"] is None
+    assert got["heads_rejected_by"] == {"value_bound": 2, "3": None} and got["ridge_search"] is None
+    for hostile in (None, "x", {"fit": None}, {"fit": {"relative_error": "x"}}, {"fit": []}):
+        assert fit_summary(hostile) is None
+    json.dumps(got, allow_nan=False)  # strict JSON

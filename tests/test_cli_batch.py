@@ -195,6 +195,7 @@ def test_ls_info_and_verify_take_folders_and_several_files(llama, tmp_path):
     info = [json.loads(l) for l in _run(["info", str(out / "a.kvpack"), str(out / "sub" / "b.kvpack"), "--json"]
                                         ).stdout.splitlines()]
     assert [i["source"]["name"] for i in info] == ["a.txt", "sub/b.md"] and info[0]["method"] == "kvzip"
+    assert info[0]["fit"] is None  # Attention Matching's fit statistics only
     text = _run(["info", str(out / "a.kvpack"), str(out / "junk.kvpack")], code=1)
     assert f"== {out / 'a.kvpack'}" in text.stdout and text.stderr.startswith("error: ")
     res = _run(["verify", str(out / "a.kvpack"), str(out / "junk.kvpack"), "--json"], code=1)
