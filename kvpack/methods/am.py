@@ -22,7 +22,7 @@ from .d2o import D2O, merge_plan, merge_rows
 from .kvzip import KVzip
 from .params import AttentionMatchingParams
 
-__all__ = ["AttentionMatching", "QueryReservoir", "HELD_OUT", "PREFILL_REFERENCES"]
+__all__ = ["AttentionMatching", "QueryReservoir", "PooledContext", "HELD_OUT", "PREFILL_REFERENCES"]
 
 #: Reference queries per KV head held out of the fit to measure it (at most; an eighth of a smaller pool).
 HELD_OUT = 256
