@@ -50,6 +50,25 @@ def test_nnls_returns_the_least_squares_solution_inside_the_box():
     torch.testing.assert_close(w, w_true, atol=1e-4, rtol=1e-4)
 
 
+def test_nnls_steps_on_the_normal_equations_are_the_explicit_steps():
+    """With ``n >= t`` the power iteration and the gradient steps use ``M^T M`` and ``M^T y`` (built once for the
+    least-squares start); the result is that of the steps on ``M`` itself, to float32 rounding."""
+    gen = torch.Generator().manual_seed(4)
+    M, y = torch.rand(300, 20, generator=gen), torch.rand(300, generator=gen) * 3
+    low, high = math.exp(-3), math.exp(3)
+    w = least_squares(M, y[:, None])[:, 0].clamp(low, high)
+    u = torch.ones(20)
+    for _ in range(8):
+        u = M.T @ (M @ u)
+        u = u / u.norm()
+    lipschitz = float((M @ u).pow(2).sum())
+    for _ in range(5):
+        w = (w - (M.T @ (M @ w - y)) / lipschitz).clamp(low, high)
+    got = nnls_box(M, y, low, high, iters=5)
+    torch.testing.assert_close(got, w, atol=1e-4, rtol=1e-4)
+    assert bool((got == low).any() or (got == high).any())  # the box binds: the steps matter
+
+
 def test_nnls_projected_gradient_reaches_the_constrained_optimum():
     """M = [[1, 1], [0, 1]] (not orthogonal), y = [1, -1]: the free solution (2, -1) clamps to (2, 0), but the
     constrained optimum is w = (1, 0) (KKT: with w_1 = 0 at its bound, w_0 = m_0 . y / ||m_0||^2 = 1, and the
