@@ -56,15 +56,17 @@ RIDGE = 1e-6
 RIDGE_STEPS = 6
 
 
-#: Columns per block row of ``gram`` (only the blocks on and above the diagonal are multiplied).
-GRAM_BLOCK = 256
+#: Columns per block row of ``gram`` (only the blocks on and above the diagonal are multiplied). 128 against 256 at
+#: 6,500 rows on one CPU thread: 0.80x the time at 300 columns, 0.95x at 620, equal from 1,000 up
+#: (``tools/bench_gram.py --blocks 256,128,64``, BENCHMARKS.md).
+GRAM_BLOCK = 128
 
 
 def gram(X: torch.Tensor, block: int = GRAM_BLOCK) -> torch.Tensor:
     """``X^T X``: ``[t, t]`` for ``X`` ``[n, t]``, symmetric by construction. For ``t > 2 x block`` it multiplies
     only the block rows on and above the diagonal (``X[:, i:j]^T X[:, i:]``) and mirrors the rest, as a BLAS
-    ``syrk`` does: ``(t / 2 + block / 2) / t`` of the plain product's multiply-adds, 0.6-0.7x its time on one CPU
-    thread at ``t = 600 .. 1,536`` (the normal equations of the least squares below are most of a fit's cost;
+    ``syrk`` does: ``(t / 2 + block / 2) / t`` of the plain product's multiply-adds, 0.6-0.8x its time on one CPU
+    thread at ``t = 300 .. 1,536`` (the normal equations of the least squares below are most of a fit's cost;
     BENCHMARKS.md). Each entry is the same dot product as in ``X.T @ X``. Raises nothing beyond torch's errors."""
     t = X.shape[1]
     if t <= 2 * block:
@@ -162,7 +164,9 @@ def least_squares(X: torch.Tensor, Y: torch.Tensor, fallback: torch.Tensor | Non
             C = X.T @ torch.cholesky_solve(Y, torch.linalg.cholesky(X @ X.T))
         ok = bool(torch.isfinite(C).all())
         if ok and fallback is not None:
-            ok = float((X @ C - Y).pow(2).sum()) <= float((X @ fallback - Y).pow(2).sum()) * (1 + 1e-4) + 1e-12
+            residuals = (X @ torch.cat([C, fallback], dim=1)).sub_(Y.repeat(1, 2)).square_()  # one product for both
+            k = Y.shape[1]
+            ok = float(residuals[:, :k].sum()) <= float(residuals[:, k:].sum()) * (1 + 1e-4) + 1e-12
     except RuntimeError:  # torch.linalg errors (singular systems) are RuntimeErrors
         ok = False
     if ok:
