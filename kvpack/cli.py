@@ -89,14 +89,19 @@ def cli():
 # ---------------------------------------------------------------------------------------------------------------
 # build
 
-def _shown_default(flag: str, default) -> str:
-    """A method option's default as its help shows it: `` [default: 8192]``, `` [default: --no-on-policy]`` for a
-    boolean, nothing for ``None``."""
+def _shown_default(option, default) -> str:
+    """A method option's default as its help shows it, with the range the parser enforces written as click writes
+    the general options' (`` [default: 8192; 16<=x<=50000]``), `` [default: --no-on-policy]`` for a boolean,
+    nothing for ``None``."""
+    low, high = (None if b is None else f"{int(b)}" if float(b).is_integer() else f"{b:g}"
+                 for b in (option.low, option.high))
+    bounds = ("" if low is None and high is None else f"; x<={high}" if low is None else f"; x>={low}"
+              if high is None else f"; {low}<=x<={high}")
     if default is None:
-        return ""
+        return f" [{bounds[2:]}]" if bounds else ""
     if isinstance(default, bool):
-        return f" [default: {flag if default else '--no-' + flag[2:]}]"
-    return f" [default: {default}]"
+        return f" [default: {option.flag if default else '--no-' + option.flag[2:]}]"
+    return f" [default: {default}{bounds}]"
 
 
 def _method_options(f):
@@ -115,7 +120,7 @@ def _method_options(f):
             kind = dict(type=o.type)
         uses: dict[tuple[str, str], list[str]] = {}  # (help, default) -> the methods, each with its own choices
         for method, text, default, choices in o.uses:
-            shown = _shown_default(o.flag, default)
+            shown = _shown_default(o, default)
             own = f" ({', '.join(choices)})" if choices and choices != o.choices else ""
             uses.setdefault((text, shown), []).append(method + own)
         text = "; ".join(f"{', '.join(names)}: {text}{shown}" for (text, shown), names in uses.items())
@@ -156,7 +161,7 @@ class _BuildCommand(click.Command):
                 for name, text, default, choices in o.uses:
                     if name == method:
                         only = f" (here: {', '.join(choices)})" if choices and choices != o.choices else ""
-                        shown = _shown_default(o.flag, default)
+                        shown = _shown_default(o, default)
                         rows.append((records[o.param][0], f"{text}{only}{shown}."))
             if rows:
                 sections.setdefault(tuple(rows), []).append(method)

@@ -367,7 +367,8 @@ def test_int4_build_fits_a_16_dim_head(docs, models, tmp_path):
 def test_build_help_shows_each_method_options_default_booleans_as_their_flag():
     text = re.sub(r"-\s+", "-", " ".join(_run(["build", "--help"]).stdout.split()))  # the help's wrapping undone
     assert "[default: --ridge-search]" in text and "[default: --no-on-policy]" in text
-    assert "[default: 8192]" in text and "[default: self-study+repeat]" in text and "[default: rms]" in text
+    assert "[default: 8192; 16<=x<=50000]" in text and "[default: self-study+repeat]" in text
+    assert "[default: rms]" in text and "[default: 16; x>=0]" in text  # --recent
 
 
 def test_fit_summary_checks_every_field_of_a_hostile_header():
