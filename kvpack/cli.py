@@ -95,8 +95,14 @@ def _shown_default(option, default) -> str:
     nothing for ``None``."""
     low, high = (None if b is None else f"{int(b)}" if float(b).is_integer() else f"{b:g}"
                  for b in (option.low, option.high))
-    bounds = ("" if low is None and high is None else f"; x<={high}" if low is None else f"; x>={low}"
-              if high is None else f"; {low}<=x<={high}")
+    if low is not None and high is not None:
+        bounds = f"; {low}<=x<={high}"
+    elif low is not None:
+        bounds = f"; x>={low}"
+    elif high is not None:
+        bounds = f"; x<={high}"
+    else:
+        bounds = ""
     if default is None:
         return f" [{bounds[2:]}]" if bounds else ""
     if isinstance(default, bool):

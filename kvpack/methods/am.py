@@ -78,7 +78,7 @@ class QueryReservoir:
         """For the attention call that just appended its queries, seeing its first ``visible`` keys: a
         ``ContextAttention`` over ``context_range`` for it to fill in (kept as that part's), or ``None`` when no
         range is set, the range is not all visible, or the part was subsampled."""
-        if self.context_range is None or not self._whole or self.context_range[1] > visible or not self.parts:
+        if self.context_range is None or not self._whole or self.context_range[1] > visible:
             return None
         context = ContextAttention(*self.context_range)
         self.contexts[len(self.parts) - 1] = context
@@ -324,7 +324,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         spec = self._spec
         for i, l in enumerate(spec.compressed_layers):
             cache.layers[l].queries = self._reservoirs[i]
-            self._reservoirs[i].context_range = self._context_range if start == 0 else None
+            self._reservoirs[i].context_range = self._context_range  # set only when one chunk is the whole context
 
     @torch.inference_mode()
     def score(self, model, tokenizer, prefill: Prefill, progress: Callable[[int], None] | None = None
@@ -506,32 +506,29 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             cached = sum(4 * c[1].numel() + 4 * c[2].numel() for c in self._context_cache.values())
             keep = (share and self._fitted(int(counts[h]), keys.shape[1], fit.shape[1])
                     and cached + fit.shape[1] * row_bytes <= CONTEXT_CACHE_BYTES)
-            if pooled is None:
+            # the fit rows attended here: all of them, or those the repeat pass did not attend for us
+            rows = fit[h] if pooled is None else fit[h][missing.to(fit.device)]
+            rms = target = lse = None
+            if pooled is None or rows.shape[0]:
+                got = rms_attention(rows, keys[h], scaling, values=values[h].float() if keep else None)
+                rms, target, lse = got if keep else (got, None, None)
+            if pooled is not None:  # the pooled squares, less the held-out rows', plus the rows attended here
+                squares = pooled.square_sums[h].to(keys.device).clone()
+                if bool(held_known.any()):
+                    held_h = held[h][held_known.to(held.device)]
+                    squares -= rms_attention(held_h, keys[h], scaling).square_().mul_(held_h.shape[0])
+                if rms is not None:
+                    squares += rms.square_().mul_(rows.shape[0])
                 if keep:
-                    rms, target, lse = rms_attention(fit[h], keys[h], scaling, values=values[h].float())
-                    self._context_cache[(i, h)] = (fit, target, lse)
-                else:
-                    rms = rms_attention(fit[h], keys[h], scaling)
-                out.append(rms)
-                continue
-            squares = pooled.square_sums[h].to(keys.device).clone()
-            if bool(held_known.any()):
-                rows = held[h][held_known.to(held.device)]
-                squares -= rms_attention(rows, keys[h], scaling).square_().mul_(rows.shape[0])
-            if keep:
-                target = pooled.output[h][fit_rows].to(keys.device)
-                lse = pooled.lse[h][fit_rows].to(keys.device)
-            if bool(missing.any()):
-                rows = fit[h][missing.to(fit.device)]
-                if keep:
-                    rms, target[missing], lse[missing] = rms_attention(rows, keys[h], scaling,
-                                                                       values=values[h].float())
-                else:
-                    rms = rms_attention(rows, keys[h], scaling)
-                squares += rms.square_().mul_(rows.shape[0])
+                    pooled_target = pooled.output[h][fit_rows].to(keys.device)
+                    pooled_lse = pooled.lse[h][fit_rows].to(keys.device)
+                    if target is not None:
+                        pooled_target[missing], pooled_lse[missing] = target, lse
+                    target, lse = pooled_target, pooled_lse
+                rms = squares.clamp_min_(0).div_(max(1, fit.shape[1])).sqrt_()
             if keep:
                 self._context_cache[(i, h)] = (fit, target, lse)
-            out.append(squares.clamp_min_(0).div_(max(1, fit.shape[1])).sqrt_())
+            out.append(rms)
         return torch.stack(out).cpu()
 
     def _fitted(self, kept: int, context: int, n_fit: int) -> bool:
