@@ -621,6 +621,11 @@ def test_ridge_search_reuses_the_fits_normal_equations():
     torch.testing.assert_close(fit.normal[0], X.T @ X, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fit.normal[1], X.T @ Y, rtol=1e-4, atol=1e-4)
     assert torch.equal(fit.values, least_squares(X, Y, fallback=V[sink + kept]))
+    # without the residual check (AM's ridge search) the values are the plain solve of the same normal equations
+    unchecked = fit_head(K[sink:], V[sink:], torch.randn(1500, d, generator=gen), kept, d ** -0.5, keep_design=True,
+                         residual_check=False)
+    Xu, Yu = unchecked.design
+    assert torch.equal(unchecked.values, torch.cholesky_solve(Xu.T @ Yu, torch.linalg.cholesky(gram(Xu))))
     for ridge in (0.0, 1e-2, 1.0):
         prior = V[sink + kept] if ridge else None
         assert torch.equal(least_squares(X, Y, ridge=ridge, prior=prior, G=gram(X), XtY=X.T @ Y),

@@ -576,6 +576,9 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         keys = prefill.keys[l].float()  # [kv_heads, tokens, d], sink first
         values = prefill.values[l].float()
         err, base, ms = [], [], []
+        # ridge search: choose_fit compares the candidates (the copied values among them) on the validation
+        # queries, which stands in for fit_head's residual check
+        validated = self.ridge_search and self.values == "fit"
         for h in range(keys.shape[0]):
             kept = keep[i, h].nonzero().squeeze(1).to(keys.device)
             cached = self._context_cache.pop((i, h), None)  # the RMS selection's pass, if on these same queries
@@ -586,7 +589,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             fit = fit_head(k_ctx, v_ctx, fit_q[h], kept, scaling, fit_values=self.values == "fit",
                            shift=self.shift, ridge=self.ridge, ridge_to=self.ridge_to,
                            weights=self.weights, sink_keys=keys[h, :sink],
-                           keep_design=self.ridge_search and self.values == "fit",
+                           keep_design=validated, residual_check=not validated,
                            beta_solve="clamped" if self.selection == "omp" else "nnls",
                            context=cached[1:] if cached is not None and cached[0] is fit_q else None)
             new_values, beta = fit.values, fit.beta

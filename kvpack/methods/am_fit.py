@@ -232,7 +232,7 @@ def fit_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, ke
              fit_values: bool = True, beta_range: tuple[float, float] = BETA_RANGE, iters: int = NNLS_ITERS,
              shift: str = "lse", ridge: float = 0.0, ridge_to: str = "zero", weights: str = "uniform",
              sink_keys: torch.Tensor | None = None, keep_design: bool = False, beta_solve: str = "nnls",
-             context: tuple[torch.Tensor, torch.Tensor] | None = None) -> HeadFit:
+             context: tuple[torch.Tensor, torch.Tensor] | None = None, residual_check: bool = True) -> HeadFit:
     """Fit beta (mass matching) and, if ``fit_values``, the values of one head's kept entries (module docstring).
 
     Args:
@@ -256,6 +256,12 @@ def fit_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, ke
             (``clamped_least_squares``: AM-OMP's weights, ``beta_range`` and ``iters`` unused).
         context: ``context_attention(queries, keys, values, scaling)`` when the caller has it already
             (``rms_attention(values=...)``), used with ``shift="lse"``; else it is computed here.
+        residual_check: plain least-squares values whose residual on the fit queries exceeds the copied values'
+            fall back to the ridge path (``least_squares``' ``fallback``). A caller that compares the candidates
+            on other queries itself (``am_validate.choose_fit``, where the copied values are a candidate) turns it
+            off: it costs an ``[n, t] x [t, 2 dv]`` product per head, 7% of a keep-0.3 fit, and the paper's code
+            has no such check (it falls back only on a failed or non-finite solve, which ``least_squares`` still
+            does).
 
     Returns:
         ``HeadFit`` (``t = 0``: empty tensors). Raises ``ValueError`` for another ``shift``, ``ridge_to``,
@@ -294,13 +300,13 @@ def fit_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, ke
     copied = values[kept]
     if not fit_values:
         return HeadFit(w.log(), copied.clone(), mass_error)
-    X = (M * w) / mass[:, None]  # [n, t]
+    X = M.mul_(w).div_(mass[:, None])  # [n, t], in place: M is not read again
     if a is not None:  # weighted least squares: rows scaled by the query's context share
         X, target = X * a, target * a
     prior = copied if ridge_to == "selected" else None
     normal = (gram(X), X.T @ target) if keep_design and X.shape[0] >= X.shape[1] else None
     G, XtY = normal or (None, None)
-    C = least_squares(X, target, fallback=copied, ridge=ridge, prior=prior, G=G, XtY=XtY)
+    C = least_squares(X, target, fallback=copied if residual_check else None, ridge=ridge, prior=prior, G=G, XtY=XtY)
     return HeadFit(w.log(), C, mass_error, (X, target) if keep_design else None, normal)
 
 
