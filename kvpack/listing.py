@@ -17,10 +17,34 @@ from .errors import InputError, KvpackError
 from . import storage
 from .fileformat import PackHeader, load_pack_and_header, read_header, read_index_arrays, verify
 from .manifest import read_manifest
-from .methods.params import PARAMS
+from .methods.params import PARAMS, command_line_options
 from .terminal import pairs, printable, table
 
-__all__ = ["describe_pack", "list_packs", "pack_files", "verify_report", "info_text", "method_label"]
+__all__ = ["describe_pack", "list_packs", "pack_files", "verify_report", "info_text", "method_label", "build_flags"]
+
+
+def _changed(method: Any, params: Any, recorded: bool = False) -> list[tuple[str, Any]] | None:
+    """``[(parameter, value)]`` of a pack's method parameters that differ from the method's defaults, sorted by name,
+    ``chunk_size`` left out (the prefill chunk, ``--chunk-size``, a build setting rather than a method option), and
+    values that are not printable scalars dropped; ``None`` for a method this kvpack does not know or parameters that
+    are not a dict (header values are untrusted). With ``recorded``, a parameter the pack does not record counts as
+    what packs from before it were built with (``MethodParams.absent_means``), as ``kvpack build`` reads it. Raises
+    nothing."""
+    if not isinstance(method, str) or method not in PARAMS or not isinstance(params, dict):
+        return None
+    if recorded:
+        params = {**{k: v for k, v in PARAMS[method].absent_means.items() if k not in params}, **params}
+    defaults = PARAMS[method].defaults()
+    changed = []
+    for k in sorted(k for k in params if isinstance(k, str)):
+        v = params[k]
+        if k == "chunk_size" or not isinstance(v, (str, int, float, bool)) or not k.isprintable():
+            continue
+        if k in defaults and type(defaults[k]) is type(v) and defaults[k] == v:
+            continue  # the default (compared with its type: on_policy=0 is not on_policy=False)
+        if (str(v).lower() if isinstance(v, bool) else str(v)).isprintable():  # no control characters reach a terminal
+            changed.append((k, v))
+    return changed
 
 
 def method_label(method: Any, params: Any) -> str:
@@ -31,22 +55,38 @@ def method_label(method: Any, params: Any) -> str:
     Raises nothing."""
     if not isinstance(method, str) or not method:
         return "?"
-    if not isinstance(params, dict) or not params:
+    changed = _changed(method, params)
+    if not changed:
         return method
-    if method not in PARAMS:
-        return method
-    defaults = PARAMS[method].defaults()
-    changed = []
-    for k in sorted(k for k in params if isinstance(k, str)):
-        v = params[k]
-        if k == "chunk_size" or not isinstance(v, (str, int, float, bool)) or not k.isprintable():
-            continue
-        if k in defaults and type(defaults[k]) is type(v) and defaults[k] == v:
-            continue  # the default (compared with its type: on_policy=0 is not on_policy=False)
-        text = str(v).lower() if isinstance(v, bool) else str(v)
-        if text.isprintable():  # a header's control characters never reach the terminal
-            changed.append(f"{k}={text}")
-    return f"{method}[{';'.join(changed)}]" if changed else method
+    return f"{method}[{';'.join(f'{k}={_text(v)}' for k, v in changed)}]"
+
+
+def build_flags(method: Any, params: Any) -> str | None:
+    """A pack's method as ``kvpack build`` options: ``--method NAME`` and each parameter that differs from the
+    method's default as its flag (``--select kvzip``, ``--no-ridge-search``), so the same build can be run again;
+    a changed parameter that has no flag (an API-only one such as ``held_out_check``) follows as the ``NAME[...]``
+    spec writes it (``kvpack bench --methods``, ``kvpack.compress(..., NAME=value)``). A parameter the pack does not
+    record is read as ``kvpack build`` reads it (``MethodParams.recorded_defaults``: a pack from before AM's defaults
+    changed shows the earlier ones). ``None`` where ``method_label`` gives the bare name for want of a known method
+    or a dict of parameters. Raises nothing."""
+    changed = _changed(method, params, recorded=True)
+    if changed is None:
+        return None
+    flags = {o.param: o for o in command_line_options() if any(use[0] == method for use in o.uses)}
+    words, api = [f"--method {method}"], []
+    for k, v in changed:
+        o = flags.get(k)
+        if o is None:
+            api.append(f"{k}={_text(v)}")
+        elif o.type is bool:
+            words.append(o.flag if v else "--no-" + o.flag[2:])
+        else:
+            words.append(f"{o.flag} {_text(v)}")
+    return " ".join(words) + (f" (no flag: {';'.join(api)})" if api else "")
+
+
+def _text(v: Any) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
 
 
 def describe_pack(path: str | os.PathLike, header: PackHeader | None = None, *,
@@ -225,6 +265,7 @@ def info_text(file: str | os.PathLike, *, storage_options: dict | None = None) -
         ("  weights", f"sha256 {_short(fp.get('weights_sha256'))}"),
         ("method", f"{meta.get('method', '?')}"
                    + (f" ({', '.join(f'{k}={v}' for k, v in sorted(params.items()))})" if params else "")),
+        *([("  as build options", flags)] if (flags := build_flags(meta.get("method"), params)) else []),
         ("ratio", str(meta.get("ratio", "?"))),
         ("quantization", _quantization(header, pack)),
         ("zstd", (f"level {header.zstd_level}: {header.file_bytes:,} bytes on disk, "

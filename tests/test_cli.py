@@ -254,6 +254,10 @@ def test_build_with_method_options_and_info_shows_them(docs, models, tmp_path, a
     _run(["build", str(docs / "alpha.txt"), "--model", models["llama"], "--device", "cpu", "--out", str(out), *args])
     info = _run(["info", str(out / "alpha.kvpack")]).stdout
     assert re.search(params, info, re.M), info
+    # the build options that rebuild it: every method option given (none is its default here), by its flag
+    flags = re.search(r"^  as build options\s+(--method \S+.*)$", info, re.M)
+    assert flags and flags.group(1).split()[1] == args[1], info
+    assert all(a in flags.group(1).split() for a in args[2:] if a.startswith("--")), (args, flags.group(1))
     budgets = re.search(r"^layer budgets\s+([\d, ]+) context entries", info, re.M)
     kept = re.search(r"context: ([\d,]+) of", info)
     assert budgets and sum(int(b) for b in budgets.group(1).split(", ")) == int(kept.group(1).replace(",", ""))
@@ -289,6 +293,29 @@ def test_method_label_names_changed_parameters_and_survives_hostile_headers():
     assert method_label("am", {"reference": ["both"], 3: 4, "queries": {"x": 1}}) == "am"
     assert method_label("am", {"reference": "both\x1b[31m\nX"}) == "am"  # no control characters in the table
     assert method_label("am", {"on_policy": 0}) == "am[on_policy=0]"  # not the default False
+
+
+def test_build_flags_give_the_build_options_that_rebuild_a_pack():
+    """``kvpack info``'s "as build options": changed parameters as their flags (a boolean as --x or --no-x), the
+    API-only ones named apart, a parameter the pack does not record read as a build reads it (an AM pack from before
+    the twenty-sixth session's defaults shows the earlier ones), and nothing from a hostile header."""
+    from kvpack.listing import build_flags
+    from kvpack.methods import get_method
+
+    assert build_flags("am", get_method("am").params()) == "--method am"
+    assert build_flags("am", get_method("am", selection="kvzip", ridge_search=False, queries=4096,
+                                        held_out_check=False).params()) == (
+        "--method am --queries 4096 --no-ridge-search --select kvzip (no flag: held_out_check=false)")
+    assert build_flags("am", get_method("am", on_policy=True, weights="share").params()) == (
+        "--method am --on-policy --fit-weights share")
+    assert build_flags("d2o", get_method("d2o", merge="off", sink=2).params()) == "--method d2o --merge off --sink 2"
+    old = {k: v for k, v in get_method("am").params().items()
+           if k not in ("selection", "reference", "queries", "queries_per_entry", "self_study_tokens", "ridge_search")}
+    assert build_flags("am", old) == ("--method am --queries 4096 --queries-per-entry 2.0 --reference repeat "
+                                      "--no-ridge-search --select kvzip --self-study-tokens 64")
+    assert build_flags("kvzip", {}) == "--method kvzip"
+    assert build_flags("not-a-method", {}) is None and build_flags("am", [1]) is None and build_flags(3, {}) is None
+    assert build_flags("kvzip", {"max_head_ratio": "0.5\x1b[2J"}) == "--method kvzip"  # no control characters
 
 
 @pytest.mark.parametrize("args, message", [
