@@ -430,20 +430,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         scores = protect_recent(scores.detach().float().cpu().nan_to_num(nan=float("-inf")), self.recent)
         fractions = None if self._schedule is None else self._schedule.fractions
         keep = split(scores, int(round(ratio * scores.numel())), self.budgets, self.max_head_ratio, fractions)
-        if self.selection == "kvzip":
-            return keep
-        chosen = self.reselect_within_heads(keep, prefill, scores)
-        if self.unfitted_selection == "kvzip":  # heads the fit will not change keep KVzip's top entries
-            unfitted = self._unfitted_heads(keep.sum(dim=2), keep.shape[2])
-            chosen[unfitted] = keep[unfitted]
-        return chosen
-
-    def _unfitted_heads(self, counts: torch.Tensor, context: int) -> torch.Tensor:
-        """``[compressed layers, kv_heads]`` bool: the heads keeping ``counts`` of their ``context`` entries that
-        ``_fitted`` says will not be fitted on the reference queries recorded (too few for their entries; a head
-        keeping nothing or everything is the same either way)."""
-        n_fit = torch.tensor([self._reference(i)[0].shape[1] for i in range(counts.shape[0])])[:, None]
-        return (counts > 0) & (counts < context) & (counts * self.queries_per_entry > n_fit)
+        return keep if self.selection == "kvzip" else self.reselect_within_heads(keep, prefill, scores)
 
     def reselect_within_heads(self, keep: torch.Tensor, prefill: Prefill, scores: torch.Tensor | None = None
                               ) -> torch.Tensor:

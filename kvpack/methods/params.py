@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 from ..errors import InputError
 
 __all__ = ["Option", "option", "MethodParams", "PARAMS", "CommandLineOption", "command_line_options",
-           "parameter_types", "parse_value", "SCOPES", "SCORINGS", "MERGE_MODES", "SELECTIONS", "UNFITTED_SELECTIONS", "VALUE_MODES",
+           "parameter_types", "parse_value", "SCOPES", "SCORINGS", "MERGE_MODES", "SELECTIONS", "VALUE_MODES",
            "REFERENCES", "SHIFTS", "RIDGE_TARGETS", "FIT_WEIGHTS", "BUDGETS", "SCORE_QUERIES", "MAX_QUERIES",
            "check_int", "check_float", "check_choice", "check_bool"]
 
@@ -41,9 +41,6 @@ SCORINGS = ("attention", "plus")
 MERGE_MODES = ("keys+values", "values", "off")
 #: Attention Matching's within-head selections (``selection``) and value modes (``values``).
 SELECTIONS = ("kvzip", "rms", "kvzip+rms", "omp")
-#: What a KV head that Attention Matching does not fit keeps with a ``selection`` other than ``kvzip``
-#: (``unfitted_selection``): KVzip's top entries within its budget, or the entries ``selection`` chose (``same``).
-UNFITTED_SELECTIONS = ("kvzip", "same")
 VALUE_MODES = ("fit", "copy", "merge")
 #: Sources of Attention Matching's reference queries (``reference``): KVzip's repeat pass, sampled
 #: self-continuations, both of those, the model's greedy answers to self-study prompts about the context
@@ -203,9 +200,7 @@ class AttentionMatchingParams(KVzipParams):
                                                "ridge_search": False, "score_queries": "repeat",
                                                # the defaults until issue 28's twenty-sixth session
                                                "selection": "kvzip", "reference": "repeat", "queries": 4096,
-                                               "queries_per_entry": 2.0, "self_study_tokens": 64,
-                                               # until issue 28's twenty-seventh session
-                                               "unfitted_selection": "same"}
+                                               "queries_per_entry": 2.0, "self_study_tokens": 64}
     max_head_ratio: float = option(0.75, "most of a KV head's own context entries it may keep with --budgets "
                                          "global-capped or schedule (the paper's --max-ratio-per-head)",
                                    low=0.0, high=1.0)
@@ -224,10 +219,6 @@ class AttentionMatchingParams(KVzipParams):
                                      "queries, half of each (kvzip+rms), or OMP (greedy mass matching; slower)",
                             flag="--select",
                             choices=SELECTIONS)
-    unfitted_selection: str = option("kvzip", "what a KV head left unfitted (too few queries for its kept entries, "
-                                              "--queries-per-entry) keeps: KVzip's top entries, or those --select "
-                                              "chose for a fit (same); kvpack's: the paper fits every head",
-                                     choices=UNFITTED_SELECTIONS)
     values: str = option("fit", "kept values fitted by least squares, copied, or D2O-merged", choices=VALUE_MODES)
     queries: int = option(8192, "reference queries per KV head", low=16, high=MAX_QUERIES)
     queries_per_entry: float = option(8.0, "a KV head is fitted only where its fit queries (--queries less the "
@@ -276,7 +267,6 @@ class AttentionMatchingParams(KVzipParams):
     def __post_init__(self):
         super().__post_init__()
         check_choice(self.name, "selection", self.selection, SELECTIONS)
-        check_choice(self.name, "unfitted_selection", self.unfitted_selection, UNFITTED_SELECTIONS)
         check_choice(self.name, "weights", self.weights, FIT_WEIGHTS)
         check_bool(self.name, "ridge_search", self.ridge_search)
         check_choice(self.name, "values", self.values, VALUE_MODES)
