@@ -96,8 +96,9 @@ def describe_pack(path: str | os.PathLike, header: PackHeader | None = None, *,
     ``sink_tokens``, ``entries_kept`` (all layers and KV heads), ``quant`` (type), ``group_size``, ``zstd_level``,
     ``source`` (name, sha256, chars), ``model`` (fingerprint name), ``architecture``, ``dtype`` (the model's
     compute dtype at build), ``kv_dtype`` (the stored keys' and values' dtype),
-    ``kvpack_version``, and ``fit`` (Attention Matching's fit statistics, ``fit_summary``; ``None`` for other
-    methods).
+    ``kvpack_version``, ``build_options`` (the method's non-default parameters as ``kvpack build`` flags,
+    ``build_flags``; ``None`` for a method this kvpack does not know) and ``fit`` (Attention Matching's fit
+    statistics, ``fit_summary``; ``None`` for other methods).
 
     Raises:
         PackFormatError subclasses, InputError: as ``kvpack.fileformat.read_header``.
@@ -115,6 +116,7 @@ def describe_pack(path: str | os.PathLike, header: PackHeader | None = None, *,
         "source": {k: source.get(k) for k in ("name", "sha256", "chars")}, "model": fp.get("name"),
         "architecture": fp.get("architecture"), "dtype": fp.get("dtype"), "kv_dtype": header.kv_dtype_name,
         "kvpack_version": meta.get("kvpack_version"),
+        "build_options": build_flags(meta.get("method"), meta.get("method_params")),
         "fit": fit_summary(meta.get("stats")),
     }
 
