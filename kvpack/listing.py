@@ -94,8 +94,9 @@ def describe_pack(path: str | os.PathLike, header: PackHeader | None = None, *,
     """The facts of a pack's (validated) header: ``file``, ``format_version``, ``bytes`` (file size), ``checksum``,
     ``method``, ``method_params``, ``ratio`` (fraction of KV entries kept), ``tokens`` (cached sequence),
     ``sink_tokens``, ``entries_kept`` (all layers and KV heads), ``quant`` (type), ``group_size``, ``zstd_level``,
-    ``source`` (name, sha256, chars), ``model`` (fingerprint name), ``architecture``, ``dtype`` (the model's
-    compute dtype at build), ``kv_dtype`` (the stored keys' and values' dtype),
+    ``source`` (name, sha256, chars), ``model`` (fingerprint name), ``architecture``, ``tokenizer_sha256`` and
+    ``weights_sha256`` (the fingerprint's digests; ``None`` unless strings), ``dtype`` (the model's compute dtype at
+    build), ``kv_dtype`` (the stored keys' and values' dtype),
     ``kvpack_version``, ``build_options`` (the method's non-default parameters as ``kvpack build`` flags,
     ``build_flags``; ``None`` for a method this kvpack does not know) and ``fit`` (Attention Matching's fit
     statistics, ``fit_summary``; ``None`` for other methods).
@@ -114,7 +115,9 @@ def describe_pack(path: str | os.PathLike, header: PackHeader | None = None, *,
         "sink_tokens": meta.get("sink_tokens"), "entries_kept": header.entries, "quant": header.quant_type,
         "group_size": header.group_size, "zstd_level": header.zstd_level,
         "source": {k: source.get(k) for k in ("name", "sha256", "chars")}, "model": fp.get("name"),
-        "architecture": fp.get("architecture"), "dtype": fp.get("dtype"), "kv_dtype": header.kv_dtype_name,
+        "architecture": fp.get("architecture"),
+        **{k: fp.get(k) if isinstance(fp.get(k), str) else None for k in ("tokenizer_sha256", "weights_sha256")},
+        "dtype": fp.get("dtype"), "kv_dtype": header.kv_dtype_name,
         "kvpack_version": meta.get("kvpack_version"),
         "build_options": build_flags(meta.get("method"), meta.get("method_params")),
         "fit": fit_summary(meta.get("stats")),

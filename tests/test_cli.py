@@ -272,8 +272,13 @@ def test_build_with_method_options_and_info_shows_them(docs, models, tmp_path, a
         assert fit and len(fit["relative_error"]) == len(layers) > 0
         assert (fit["ridge_search"] is not None) == ("--no-ridge-search" not in args)
         assert fit["queries"] > 0 and fit["held_out"] > 0
-    # info --json carries the same build options as the text
-    assert json.loads(_run(["info", str(out / "alpha.kvpack"), "--json"]).stdout)["build_options"] == flags.group(1)
+    # info --json carries the same build options as the text, and the model fingerprint's digests
+    described = json.loads(_run(["info", str(out / "alpha.kvpack"), "--json"]).stdout)
+    assert described["build_options"] == flags.group(1)
+    for name in ("tokenizer", "weights"):
+        digest = re.search(rf"^  {name}\s+sha256 ([0-9a-f]+)\.\.\.", info, re.M)
+        assert digest and len(described[f"{name}_sha256"]) == 64
+        assert described[f"{name}_sha256"].startswith(digest.group(1))
     if "both" in args:  # kvpack ls names the options that differ from the method's defaults
         listing = _run(["ls", str(out)]).stdout
         assert re.search(r"alpha\.kvpack\s+alpha\.txt\s+am\[queries=64;queries_per_entry=2\.0;reference=both\]\s+"
