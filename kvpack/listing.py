@@ -97,7 +97,9 @@ def describe_pack(path: str | os.PathLike, header: PackHeader | None = None, *,
     ``source`` (name, sha256, chars), ``model`` (fingerprint name), ``architecture``, ``tokenizer_sha256`` and
     ``weights_sha256`` (the fingerprint's digests; ``None`` unless strings), ``dtype`` (the model's compute dtype at
     build), ``kv_dtype`` (the stored keys' and values' dtype),
-    ``kvpack_version``, ``build_options`` (the method's non-default parameters as ``kvpack build`` flags,
+    ``kvpack_version``, ``layer_budgets`` (context entries kept per compressed layer, when recorded as a list of
+    integers, else ``None``), ``bytes_by_section`` (``PackHeader.bytes_by_section``: stored bytes of the header and
+    each tensor, adding up to ``bytes``), ``build_options`` (the method's non-default parameters as ``kvpack build`` flags,
     ``build_flags``; ``None`` for a method this kvpack does not know) and ``fit`` (Attention Matching's fit
     statistics, ``fit_summary``; ``None`` for other methods).
 
@@ -108,6 +110,8 @@ def describe_pack(path: str | os.PathLike, header: PackHeader | None = None, *,
     meta = header.metadata
     fp = meta.get("fingerprint") if isinstance(meta.get("fingerprint"), dict) else {}
     source = meta.get("source") if isinstance(meta.get("source"), dict) else {}
+    stats = meta.get("stats") if isinstance(meta.get("stats"), dict) else {}
+    budgets = stats.get("layer_budgets")
     return {
         "file": str(path), "format_version": header.format_version, "bytes": header.file_bytes,
         "checksum": C.CHECKSUM_NAMES.get(header.checksum, header.checksum), "method": meta.get("method"),
@@ -119,6 +123,8 @@ def describe_pack(path: str | os.PathLike, header: PackHeader | None = None, *,
         **{k: fp.get(k) if isinstance(fp.get(k), str) else None for k in ("tokenizer_sha256", "weights_sha256")},
         "dtype": fp.get("dtype"), "kv_dtype": header.kv_dtype_name,
         "kvpack_version": meta.get("kvpack_version"),
+        "layer_budgets": budgets if isinstance(budgets, list) and all(type(b) is int for b in budgets) else None,
+        "bytes_by_section": header.bytes_by_section(),
         "build_options": build_flags(meta.get("method"), meta.get("method_params")),
         "fit": fit_summary(meta.get("stats")),
     }

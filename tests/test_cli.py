@@ -261,6 +261,8 @@ def test_build_with_method_options_and_info_shows_them(docs, models, tmp_path, a
     budgets = re.search(r"^layer budgets\s+([\d, ]+) context entries", info, re.M)
     kept = re.search(r"context: ([\d,]+) of", info)
     assert budgets and sum(int(b) for b in budgets.group(1).split(", ")) == int(kept.group(1).replace(",", ""))
+    assert json.loads(_run(["info", str(out / "alpha.kvpack"), "--json"]).stdout)["layer_budgets"] == [
+        int(b.replace(",", "")) for b in budgets.group(1).split(", ")]
     assert ("merged " in info) == ("d2o" in args and "off" not in args)
     assert ("attention matching fit" in info) == ("am" in args)
     # --ridge-search is AM's default
@@ -275,6 +277,7 @@ def test_build_with_method_options_and_info_shows_them(docs, models, tmp_path, a
     # info --json carries the same build options as the text, and the model fingerprint's digests
     described = json.loads(_run(["info", str(out / "alpha.kvpack"), "--json"]).stdout)
     assert described["build_options"] == flags.group(1)
+    assert sum(described["bytes_by_section"].values()) == described["bytes"]
     for name in ("tokenizer", "weights"):
         digest = re.search(rf"^  {name}\s+sha256 ([0-9a-f]+)\.\.\.", info, re.M)
         assert digest and len(described[f"{name}_sha256"]) == 64
