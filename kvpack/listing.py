@@ -42,7 +42,7 @@ def _changed(method: Any, params: Any, recorded: bool = False) -> list[tuple[str
             continue
         if k in defaults and type(defaults[k]) is type(v) and defaults[k] == v:
             continue  # the default (compared with its type: on_policy=0 is not on_policy=False)
-        if (str(v).lower() if isinstance(v, bool) else str(v)).isprintable():  # no control characters reach a terminal
+        if _text(v).isprintable():  # no control characters reach a terminal
             changed.append((k, v))
     return changed
 
@@ -86,6 +86,7 @@ def build_flags(method: Any, params: Any) -> str | None:
 
 
 def _text(v: Any) -> str:
+    """A parameter value as specs and flags write it (booleans lower-case)."""
     return str(v).lower() if isinstance(v, bool) else str(v)
 
 
@@ -126,7 +127,7 @@ def describe_pack(path: str | os.PathLike, header: PackHeader | None = None, *,
         "layer_budgets": budgets if isinstance(budgets, list) and all(type(b) is int for b in budgets) else None,
         "bytes_by_section": header.bytes_by_section(),
         "build_options": build_flags(meta.get("method"), meta.get("method_params")),
-        "fit": fit_summary(meta.get("stats")),
+        "fit": fit_summary(stats),
     }
 
 

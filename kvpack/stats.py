@@ -33,8 +33,9 @@ import torch
 from .attention_math import flash
 from .model import ModelSpec
 
-__all__ = ["AttentionRecorder", "ContextAttention", "attention_with_column_sums", "one_pass_attention", "one_pass_applies", "column_sums",
-           "window_sums", "visible_mask", "SUM_BLOCK_ELEMENTS", "ONE_PASS_BLOCK_ELEMENTS"]
+__all__ = ["AttentionRecorder", "ContextAttention", "attention_with_column_sums", "one_pass_attention",
+           "one_pass_applies", "column_sums", "window_sums", "visible_mask", "SUM_BLOCK_ELEMENTS",
+           "ONE_PASS_BLOCK_ELEMENTS"]
 
 #: Entries of one block of probabilities when column sums are summed explicitly (64 MB of float32).
 SUM_BLOCK_ELEMENTS = 16 * 2**20
