@@ -10,7 +10,9 @@ are written into; the ``"kvpack"`` attention (``kvpack.attention``) attends over
 (vLLM's prefix caching, SGLang's RadixAttention) reduced to one prefix.
 
 Positions are the caller's (``position_ids``); the cache only stores entries. Which suffix entries a row sees is
-given at construction (``valid``: left padding) and by causality.
+given at construction (``valid``: left padding; ``segments``: several sequences packed in one row) and by
+causality. ``unpack_rows`` turns one packed row into a left-padded batch, so a batch of prompts of unequal lengths
+is fed without computing its padding and then decoded a row per sequence.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-__all__ = ["SharedContextLayer", "shared_context_cache"]
+__all__ = ["SharedContextLayer", "shared_context_cache", "unpack_rows"]
 
 
 class SharedContextLayer(CacheLayerMixin):
@@ -28,11 +30,13 @@ class SharedContextLayer(CacheLayerMixin):
         keys, values: ``[kv_heads, context, head_dim(_v)]`` the context's entries (post-RoPE), shared by every row
             (kept as views).
         valid: ``[batch, capacity]`` bool: suffix slots that hold a real token (``False``: left padding).
+        segments: optional ``[batch, capacity]`` int64: with several sequences packed into one row, the sequence of
+            each slot; a slot then sees only its own sequence's earlier slots (a block-diagonal causal mask).
 
     Attributes:
         context_keys, context_values: ``[1, kv_heads, context, head_dim(_v)]``.
         keys, values: ``[batch, kv_heads, capacity, head_dim(_v)]`` the suffix buffers, filled up to ``filled``.
-        valid, filled: as above; ``filled``: suffix slots written so far (tokens fed).
+        valid, segments, filled: as above; ``filled``: suffix slots written so far (tokens fed).
 
     ``update`` raises ``ValueError`` when more tokens are fed than ``capacity``.
     """
@@ -40,13 +44,14 @@ class SharedContextLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+                 segments: torch.Tensor | None = None):
         super().__init__()
         batch, capacity = valid.shape
         self.context_keys, self.context_values = keys[None], values[None]
         self.keys = keys.new_empty(batch, keys.shape[0], capacity, keys.shape[-1])
         self.values = values.new_empty(batch, values.shape[0], capacity, values.shape[-1])
-        self.valid, self.filled = valid, 0
+        self.valid, self.segments, self.filled = valid, segments, 0
         self.is_initialized = True
         self.dtype, self.device = keys.dtype, keys.device
 
@@ -67,12 +72,15 @@ class SharedContextLayer(CacheLayerMixin):
         return keys, self.values[:, :, : self.filled]
 
     def visible(self, q_len: int) -> torch.Tensor:
-        """``[batch, q_len, filled]`` bool: the suffix entries each of the last ``q_len`` fed tokens sees (valid and
-        not after it)."""
+        """``[batch, q_len, filled]`` bool: the suffix entries each of the last ``q_len`` fed tokens sees (valid, not
+        after it, and of its own sequence when ``segments`` packs several)."""
         n = self.filled
         slots = torch.arange(n, device=self.device)
         causal = slots[None, :] <= (n - q_len + torch.arange(q_len, device=self.device))[:, None]
-        return self.valid[:, None, :n] & causal[None]
+        visible = self.valid[:, None, :n] & causal[None]
+        if self.segments is not None:
+            visible &= self.segments[:, None, :n] == self.segments[:, n - q_len : n, None]
+        return visible
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """Logical sizes (the ``"kvpack"`` attention builds its own visibility; no mask is read)."""
@@ -91,15 +99,49 @@ class SharedContextLayer(CacheLayerMixin):
         self.filled = 0
 
 
-def shared_context_cache(keys: list[torch.Tensor], values: list[torch.Tensor], valid: torch.Tensor) -> Cache:
+def shared_context_cache(keys: list[torch.Tensor], values: list[torch.Tensor], valid: torch.Tensor,
+                         segments: torch.Tensor | None = None) -> Cache:
     """A ``transformers.Cache`` of ``SharedContextLayer``s, one per layer.
 
     Args:
         keys, values: per layer ``[kv_heads, context, head_dim(_v)]`` (a ``Prefill``'s ``keys`` / ``values``).
         valid: ``[batch, capacity]`` bool, the rows' real suffix slots (``SharedContextLayer``).
+        segments: optional ``[batch, capacity]`` int64, the packed sequence of each slot (``SharedContextLayer``).
 
     Returns:
         The cache; the model must run the ``"kvpack"`` attention (``kvpack.attention.use_kvpack_attention``) and be
         given ``position_ids``. Raises nothing of its own.
     """
-    return Cache(layers=[SharedContextLayer(k, v, valid) for k, v in zip(keys, values)])
+    return Cache(layers=[SharedContextLayer(k, v, valid, segments) for k, v in zip(keys, values)])
+
+
+def unpack_rows(packed: Cache, lengths: list[int], valid: torch.Tensor) -> Cache:
+    """The sequences packed one after another in the single row of ``packed`` (``lengths`` slots each, all filled),
+    as a batch of one row per sequence, each right-aligned at the batch's widest (left padding) and the rest of
+    each row free for the tokens fed next.
+
+    Args:
+        packed: a ``shared_context_cache`` of batch 1 whose filled slots are the sequences, in order.
+        lengths: ``[batch]`` slots of each sequence (``>= 1``; they sum to the packed cache's filled slots).
+        valid: ``[batch, capacity]`` bool of the new rows: ``True`` on row ``b``'s last ``lengths[b]`` slots before
+            ``max(lengths)`` and on every slot from there (``SharedContextLayer``).
+
+    Returns:
+        The batch's cache, ``max(lengths)`` slots filled; the context's entries stay shared (the same views).
+        Raises ``ValueError`` when the lengths do not add up to the packed slots.
+    """
+    width, layers = max(lengths), []
+    for layer in packed.layers:
+        if sum(lengths) != layer.filled:
+            raise ValueError(f"unpack_rows: {sum(lengths)} slots asked for, {layer.filled} packed")
+        out = SharedContextLayer(layer.context_keys[0], layer.context_values[0], valid)
+        out.keys[:, :, :width] = 0  # the padding slots: hidden, but a softmax's zero weight times NaN is NaN
+        out.values[:, :, :width] = 0
+        start = 0
+        for b, n in enumerate(lengths):
+            out.keys[b, :, width - n : width] = layer.keys[0, :, start : start + n]
+            out.values[b, :, width - n : width] = layer.values[0, :, start : start + n]
+            start += n
+        out.filled = width
+        layers.append(out)
+    return Cache(layers=layers)

@@ -167,6 +167,30 @@ def test_shared_context_cache_fills_its_suffix_and_refuses_to_overflow():
         cache.update(torch.randn(2, 2, 2, D), torch.randn(2, 2, 2, D), 0)
 
 
+def test_packed_sequences_see_only_their_own_slots_and_unpack_into_left_padded_rows():
+    """Two sequences (2 and 3 slots) packed in one row: each slot sees its own sequence's earlier slots only; unpacked,
+    row b holds sequence b's entries right-aligned at slot 3, the context still shared, and the next token of each
+    row sees its sequence and itself (not the padding slot)."""
+    from kvpack.shared_context import shared_context_cache, unpack_rows
+
+    keys, values = [torch.randn(2, 5, D)], [torch.randn(2, 5, D)]
+    packed = shared_context_cache(keys, values, torch.ones(1, 5, dtype=torch.bool), torch.tensor([[0, 0, 1, 1, 1]]))
+    k, v = torch.randn(1, 2, 5, D), torch.randn(1, 2, 5, D)
+    packed.update(k, v, 0)
+    seen = packed.layers[0].visible(5)[0].int()
+    assert seen.tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
+    valid = torch.tensor([[False, True, True, True], [True, True, True, True]])
+    rows = unpack_rows(packed, [2, 3], valid)
+    layer = rows.layers[0]
+    assert layer.filled == 3 and layer.context_keys.data_ptr() == keys[0].data_ptr()
+    assert torch.equal(layer.keys[0, :, 1:3], k[0, :, :2]) and torch.equal(layer.values[1, :, :3], v[0, :, 2:])
+    assert not layer.keys[0, :, 0].any() and not layer.values[0, :, 0].any()  # padding: zeros, never NaN
+    rows.update(torch.randn(2, 2, 1, D), torch.randn(2, 2, 1, D), 0)
+    assert layer.visible(1)[:, 0].int().tolist() == [[0, 1, 1, 1], [1, 1, 1, 1]]
+    with pytest.raises(ValueError, match="4 slots asked for, 5 packed"):
+        unpack_rows(packed, [2, 2], valid)
+
+
 def test_biases_change_the_output_as_softmax_says():
     layer = _layer([5, 9], 1)
     query = torch.randn(1, 2, 1, D)

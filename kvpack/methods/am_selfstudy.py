@@ -15,8 +15,9 @@ prompt (the prompt, then ``tokens - 1`` answer tokens).
 
 The prompts are answered as one batch (``_batched``) when the model has no sliding-window layers: the context's
 KV held once (``kvpack.shared_context``: each decode step attends every row's queries over the shared context in one
-fused call, plus each row's own short suffix), the prompts left-padded after it, so a decode step reads the weights
-once for all prompts and copies no context. On SmolLM2 at 2K tokens, 64 calls x 4 prompts, that takes 18.9 s
+fused call, plus each row's own short suffix). The prompts are fed first packed in one row, each seeing only the
+context and its own tokens (``kvpack.shared_context.unpack_rows``: no padding computed), then answered as a
+left-padded batch, so a decode step reads the weights once for all prompts and copies no context. On SmolLM2 at 2K tokens, 64 calls x 4 prompts, that takes 18.9 s
 against 34.8 s one prompt at a time (0.54x; ``tools/bench_selfstudy.py``, BENCHMARKS.md). Otherwise one at a
 time over the prefill's own cache (``_one_by_one``). Both record the queries of the same tokens
 (``tests/test_am_budgets.py``).
@@ -28,7 +29,7 @@ import torch
 
 from ..attention import masks_unused, queries_to, use_kvpack_attention
 from ..prefill import Prefill
-from ..shared_context import shared_context_cache
+from ..shared_context import shared_context_cache, unpack_rows
 from .am_continue import recording_cache
 
 __all__ = ["PROMPTS", "TOP_K", "TOP_P", "self_study_queries"]
@@ -155,22 +156,31 @@ def _batched(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, 
         return reservoirs
     ids, rooms, indices = [x for x, _, _ in kept], [r for _, r, _ in kept], [i for _, _, i in kept]
     batch, width, n = len(ids), max(len(x) for x in ids), prefill.tokens
+    lengths = [len(x) for x in ids]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
-    x = torch.tensor([[pad] * (width - len(r)) + r for r in ids], device=device)
     valid = torch.zeros(batch, width, dtype=torch.bool, device=device)
-    positions = torch.full((batch, width), n, dtype=torch.long, device=device)
     for b, r in enumerate(ids):
         valid[b, width - len(r):] = True
-        positions[b, width - len(r):] = torch.arange(n, n + len(r), device=device)
     # every slot after the prompts is real (a row that stopped feeds padding nobody reads, as it attends alone)
     slots_valid = torch.cat([valid, torch.ones(batch, max(rooms) - 1, dtype=torch.bool, device=device)], dim=1)
-    cache = shared_context_cache(prefill.keys, prefill.values, slots_valid)
+    # the prompts go in first packed one after another in one row (no padding computed: on SmolLM2 the four
+    # prompts are 115 tokens, 192 padded), each seeing the context and its own tokens; the answers are then
+    # decoded as a left-padded batch of one row per prompt (unpack_rows)
+    segments = torch.repeat_interleave(torch.arange(batch, device=device), torch.tensor(lengths, device=device))
+    packed = shared_context_cache(prefill.keys, prefill.values, torch.ones(1, sum(lengths), dtype=torch.bool,
+                                                                           device=device), segments[None])
     slots = {l: reservoirs[i] for i, l in enumerate(prefill.spec.compressed_layers)}
-    state = {"valid": valid}
+    state = {"valid": None}
 
     def sink(layer_idx, query, scaling):
         reservoir = slots.get(layer_idx)
         if reservoir is None:
+            return
+        if state["valid"] is None:  # the packed prompts: one row, prompt b's tokens in order
+            start = 0
+            for length in lengths:
+                reservoir.append((query[0][:, start : start + length].detach(), scaling))
+                start += length
             return
         for b in range(batch):
             if bool(state["valid"][b].any()):
@@ -180,13 +190,20 @@ def _batched(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, 
     calls = torch.tensor(rooms, device=device)
     sequences = [list(r) for r in ids]  # what each row feeds: its prompt, then its answer tokens while active
     with queries_to(sink), masks_unused():
+        x = torch.tensor([[t for r in ids for t in r]], device=device)
+        positions = torch.cat([torch.arange(n, n + len(r), device=device) for r in ids])[None]
+        last = torch.tensor(lengths, device=device).cumsum(0) - 1  # each prompt's last token in the packed row
+        logits = model(input_ids=x, position_ids=positions, past_key_values=packed, use_cache=True,
+                       logits_to_keep=last).logits[0]
+        cache = unpack_rows(packed, lengths, slots_valid)
+        positions = torch.tensor([[n + len(r) - 1] for r in ids], device=device)
         for step in range(max(rooms)):
             if step:
                 for b in range(batch):
                     if bool(state["valid"][b, 0]):
                         sequences[b].append(int(x[b, 0]))
-            logits = model(input_ids=x, position_ids=positions, past_key_values=cache, use_cache=True,
-                           logits_to_keep=1).logits[:, -1]
+                logits = model(input_ids=x, position_ids=positions, past_key_values=cache, use_cache=True,
+                               logits_to_keep=1).logits[:, -1]
             nxt = choose(logits, indices)
             active &= step + 1 < calls  # row b makes rooms[b] calls at most
             if eos is not None:
@@ -195,7 +212,7 @@ def _batched(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, 
                 break
             x = torch.where(active, nxt, torch.full_like(nxt, pad))[:, None]
             state["valid"] = active[:, None]
-            positions = positions[:, -1:] + 1
+            positions = positions + 1
     if fed is not None:
         fed.extend(sequences)
     return reservoirs
