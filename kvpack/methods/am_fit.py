@@ -280,7 +280,8 @@ def fit_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, ke
         return HeadFit(keys.new_zeros(0), values.new_zeros(0, values.shape[1]), 0.0)
     if shift == "lse":
         target, lse = context if context is not None else context_attention(queries, keys, values, scaling)
-        M = ((queries @ keys[kept].T) * scaling - lse[:, None]).exp_()  # [n, t]: probabilities of the kept keys
+        # [n, t]: probabilities of the kept keys, scaling q.k - lse in one product (no [n, t] temporaries)
+        M = torch.addmm(lse[:, None].neg(), queries, keys[kept].T, alpha=scaling).exp_()
         y = torch.ones_like(lse)
     elif shift == "max":
         logits = (queries @ keys.T) * scaling  # [n, T]
