@@ -92,7 +92,7 @@ def test_scheduled_split_follows_the_fractions_under_the_cap():
 
 def test_am_select_split_cap_and_recent_floor():
     s = _skewed()
-    am = get_method("am", recent=8, selection="kvzip")  # global-capped at 0.75
+    am = get_method("am", budgets="global-capped", recent=8, selection="kvzip")  # capped at 0.75
     keep = am.select(s, 0.3)
     assert int(keep.sum()) == 72 and int(keep.sum(dim=2).max()) <= 30
     assert bool(keep[..., -8:].all())  # every head keeps its last 8 tokens (48 of the 72)
@@ -100,6 +100,9 @@ def test_am_select_split_cap_and_recent_floor():
     assert uni.sum(dim=2).flatten().tolist() == [12] * 6 and bool(uni[..., -4:].all())
     old = get_method("am", budgets="global", recent=0, selection="kvzip").select(s, 0.3)
     assert torch.equal(old, select_global(s, 0.3))
+    # the default split is KVzip's uncapped one (the cap is an option): no head is held to 0.75 of its entries
+    default = get_method("am", recent=0, selection="kvzip").select(s, 0.3)
+    assert torch.equal(default, old) and int(default.sum(dim=2).max()) > 30
     assert torch.equal(protect_recent(s, 0), s)
 
 

@@ -5,6 +5,13 @@ interleaved ``--repeats`` times in one process (medians), and the query rows eac
 record the same tokens).
 
     python tools/bench_selfstudy.py --model smollm2-135m --length 2048 --tokens 16
+
+With ``--tree`` the kvpack of another checkout is timed, so two commits' batched paths can be compared, interleaved,
+on a quiet machine (``--batched-only`` skips the one-prompt-at-a-time path):
+
+    git worktree add /tmp/base <commit>
+    for t in /tmp/base . /tmp/base .; do OMP_NUM_THREADS=1 python tools/bench_selfstudy.py --model smollm2-135m \\
+        --threads 1 --batched-only --tree $t; done
 """
 
 from __future__ import annotations
@@ -15,44 +22,51 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import kvpack  # noqa: E402
-from kvpack.bench.continuation import continuation_docs  # noqa: E402
-from kvpack.layout import chat_layout  # noqa: E402
-from kvpack.methods.am import QueryReservoir  # noqa: E402
-from kvpack.methods.am_selfstudy import self_study_queries  # noqa: E402
-from kvpack.model import model_spec  # noqa: E402
-from kvpack.prefill import prefill  # noqa: E402
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tree", default=str(Path(__file__).resolve().parents[1]), help="the kvpack checkout to time")
     ap.add_argument("--model", default=None, help="model (default: the embedded reference model)")
     ap.add_argument("--length", type=int, default=2048, help="context tokens (a held-out passage, seed 2)")
     ap.add_argument("--tokens", type=int, default=16, help="forward calls per prompt")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batched-only", action="store_true", help="time the batched path alone")
     args = ap.parse_args()
+    sys.path.insert(0, str(Path(args.tree).resolve()))
+
+    import torch
+
+    import kvpack
+    from kvpack.bench.continuation import continuation_docs
+    from kvpack.layout import chat_layout
+    from kvpack.methods.am import QueryReservoir
+    from kvpack.methods.am_selfstudy import self_study_queries
+    from kvpack.model import model_spec
+    from kvpack.prefill import prefill
+
     torch.set_num_threads(args.threads)
     model, tok = kvpack.load_model(args.model)
     doc = next(iter(continuation_docs(tok, args.length, 1, seed=2)))
     spec, layout = model_spec(model), chat_layout(tok)
     prefix = layout.prefix_ids(tok)
     full = prefill(model, prefix + layout.encode(tok, doc.text), len(prefix), layout, spec, 2048)
-    seconds, rows = {"batched": [], "one by one": []}, {}
+    paths = (("batched", False),) if args.batched_only else (("one by one", True), ("batched", False))
+    seconds, rows = {name: [] for name, _ in paths}, {}
     for _ in range(args.repeats):
-        for name, off in (("one by one", True), ("batched", False)):
+        for name, off in paths:
             res = [QueryReservoir(spec.num_kv_heads, 50_000) for _ in spec.compressed_layers]
             t = time.perf_counter()
             self_study_queries(model, tok, full, res, args.tokens, batched_off=off)
             seconds[name].append(time.perf_counter() - t)
             rows[name] = sum(p.shape[1] for p in res[0].parts)
-    one, bat = statistics.median(seconds["one by one"]), statistics.median(seconds["batched"])
-    print(f"context {full.tokens} tokens, {args.tokens} calls per prompt: one by one {one:.2f} s, batched "
-          f"{bat:.2f} s ({bat / one:.2f}x); query rows per KV head of layer 0: {rows['one by one']} / {rows['batched']}")
+    bat = statistics.median(seconds["batched"])
+    print(f"{kvpack.__file__}: context {full.tokens} tokens, {args.tokens} calls per prompt: batched {bat:.2f} s "
+          f"({', '.join(f'{s:.2f}' for s in seconds['batched'])}), query rows per KV head of layer 0: "
+          f"{rows['batched']}")
+    if not args.batched_only:
+        one = statistics.median(seconds["one by one"])
+        print(f"one by one {one:.2f} s (batched: {bat / one:.2f}x of it), query rows {rows['one by one']}")
 
 
 if __name__ == "__main__":

@@ -164,9 +164,10 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     fit of a bias ``beta`` per kept entry and of their values so that attention over the kept entries reproduces
     attention over the whole context (arXiv 2602.16284 §3).
 
-    Defaults (BENCHMARKS.md, "Issue 28, twenty-sixth session"): the paper's ``ss-plus-repeat`` queries with short
-    greedy self-study answers (16 tokens per prompt), RMS selection, 8,192 queries per KV head, and kvpack's
-    validated per-head choice (``ridge_search``) in place of the paper's always-fit.
+    Defaults (BENCHMARKS.md, "Issue 28, twenty-sixth session" and "twenty-eighth session"): KVzip's uncapped
+    budget split, the paper's ``ss-plus-repeat`` queries with short greedy self-study answers (16 tokens per
+    prompt), RMS selection, 8,192 queries per KV head, and kvpack's validated per-head choice (``ridge_search``) in
+    place of the paper's always-fit.
 
     Reference queries (§4.1, "repeat" queries): the queries of KVzip's repeat pass (arXiv 2505.23416 §3.2), which
     scoring runs anyway, recorded as each layer sees them (after q-norm and RoPE), the query heads of a GQA group
@@ -187,10 +188,12 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     itself; the results agree to float32 rounding (``tests/test_am.py``).
 
     Kept keys: ``ratio`` is the share of all context entries kept, over every compressed layer and KV head, split
-    per head by ``budgets`` (``kvpack.methods.budgets``) over KVzip's scores: ``"global-capped"`` (default: KVzip's
-    global top-k with no head above ``max_head_ratio`` of its own entries, the paper's 0.75 cap), ``"global"``
-    (uncapped: on the reference model at keep 0.1 one head took ~80% of the entries), ``"uniform"`` or
-    ``"schedule"`` (a per-model fraction file, ``kvpack.schedule``, capped). Every head keeps its last ``recent``
+    per head by ``budgets`` (``kvpack.methods.budgets``) over KVzip's scores: ``"global"`` (default: KVzip's global
+    top-k, uncapped), ``"global-capped"`` (the same with no head above ``max_head_ratio`` of its own entries, the
+    paper's 0.75 cap; the default until issue 28's twenty-eighth session: on SmolLM2 it made AM continue worse
+    than KVzip at keep 0.3, where the heads it caps are broad ones that are too large to be fitted, and changed
+    nothing from keep 0.1 down, BENCHMARKS.md), ``"uniform"`` or ``"schedule"`` (a per-model fraction file,
+    ``kvpack.schedule``, capped). Every head keeps its last ``recent``
     context tokens first (within its budget; kvpack's, not the paper's). Within a head, KVzip's scores
     (``selection="kvzip"``), the highest RMS attention over the reference queries (``"rms"``, the default, the paper
     code's ``score_method="rms"``) or OMP (``"omp"``, the paper's AM-OMP, ``kvpack.methods.am_omp``; its beta is then
@@ -235,7 +238,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     Parameters (declared in ``kvpack.methods.params``):
         chunk_size, tail_tokens, scoring: KVzip's (its repeat pass; ``scoring="plus"`` selects by KVzip+).
         max_head_ratio: the per-head cap of ``"global-capped"`` and ``"schedule"``, in (0, 1] (default 0.75).
-        budgets: ``"global-capped"`` (default), ``"global"``, ``"uniform"`` or ``"schedule"``.
+        budgets: ``"global"`` (default), ``"global-capped"``, ``"uniform"`` or ``"schedule"``.
         schedule: the schedule file of ``budgets="schedule"`` (checked against the model); its SHA-256 is
             recorded as ``schedule_sha256``.
         recent: last context tokens every head keeps (in its budget), ``>= 0``.

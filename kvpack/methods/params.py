@@ -204,9 +204,9 @@ class AttentionMatchingParams(KVzipParams):
     max_head_ratio: float = option(0.75, "most of a KV head's own context entries it may keep with --budgets "
                                          "global-capped or schedule (the paper's --max-ratio-per-head)",
                                    low=0.0, high=1.0)
-    budgets: str = option("global-capped", "how --ratio is split over (layer, KV head): KVzip's global top-k, "
-                                           "the same capped at --max-head-ratio, an even split, or a --schedule "
-                                           "file's fractions (capped)", choices=BUDGETS)
+    budgets: str = option("global", "how --ratio is split over (layer, KV head): KVzip's global top-k, the same "
+                                    "capped at --max-head-ratio (the paper's), an even split, or a --schedule "
+                                    "file's fractions (capped)", choices=BUDGETS)
     schedule: str | None = option(None, "per-(layer, KV head) budget fractions for --budgets schedule (a "
                                         "kvpack.schedule safetensors file of this model)", metavar="FILE")
     score_queries: str = option("repeat", "whose queries score the context entries for the split over heads and "
