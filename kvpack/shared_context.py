@@ -49,8 +49,10 @@ class SharedContextLayer(CacheLayerMixin):
         super().__init__()
         batch, capacity = valid.shape
         self.context_keys, self.context_values = keys[None], values[None]
-        self.keys = keys.new_empty(batch, keys.shape[0], capacity, keys.shape[-1])
-        self.values = values.new_empty(batch, values.shape[0], capacity, values.shape[-1])
+        # zeros, not empty: a hidden slot (left padding) still enters the softmax's product with a zero weight, and
+        # zero times uninitialised memory can be NaN
+        self.keys = keys.new_zeros(batch, keys.shape[0], capacity, keys.shape[-1])
+        self.values = values.new_zeros(batch, values.shape[0], capacity, values.shape[-1])
         self.valid, self.segments, self.filled = valid, segments, 0
         self.is_initialized = True
         self.dtype, self.device = keys.dtype, keys.device
@@ -134,9 +136,7 @@ def unpack_rows(packed: Cache, lengths: list[int], valid: torch.Tensor) -> Cache
     for layer in packed.layers:
         if sum(lengths) != layer.filled:
             raise ValueError(f"unpack_rows: {sum(lengths)} slots asked for, {layer.filled} packed")
-        out = SharedContextLayer(layer.context_keys[0], layer.context_values[0], valid)
-        out.keys[:, :, :width] = 0  # the padding slots: hidden, but a softmax's zero weight times NaN is NaN
-        out.values[:, :, :width] = 0
+        out = SharedContextLayer(layer.context_keys[0], layer.context_values[0], valid)  # padding slots zero
         start = 0
         for b, n in enumerate(lengths):
             out.keys[b, :, width - n : width] = layer.keys[0, :, start : start + n]
