@@ -89,6 +89,8 @@ class BuildResult:
             or ``"failed"``.
         error: why a ``failed`` context was not built.
         source, id, line, part, parts: as ``Context``.
+        notes: what the method did not do as asked, for the user (``MethodParams.build_notes``; a built pack
+            only): e.g. Attention Matching leaving most KV heads unfitted.
     """
 
     name: str
@@ -104,6 +106,7 @@ class BuildResult:
     line: int | None = None
     part: int | None = None
     parts: int | None = None
+    notes: tuple[str, ...] = ()
 
     @property
     def skipped(self) -> bool:
@@ -296,7 +299,8 @@ def _recorded_parts(out: Path | str, ctx: Context, records: dict, sha: str, sett
 
 def _with_defaults(method: Any, params: Any) -> Any:
     """``params`` recorded for ``method`` completed with the defaults of the method's parameters they lack (a pack
-    from an older kvpack records none of those added since), from the method's dataclass fields: nothing is
+    from an older kvpack records none of those added since), its inert ones at their defaults
+    (``MethodParams.canonical``), from the method's dataclass fields: nothing is
     instantiated and no file a recorded parameter names is read (``kvpack.methods.params``). As given for an unknown
     method."""
     cls = PARAMS.get(method) if isinstance(method, str) else None
@@ -304,7 +308,7 @@ def _with_defaults(method: Any, params: Any) -> Any:
         return params
     defaults = cls.recorded_defaults()
     try:
-        return json.loads(json.dumps({**defaults, **params}))
+        return json.loads(json.dumps(cls.canonical({**defaults, **params})))
     except (TypeError, ValueError):
         return params
 
@@ -516,7 +520,9 @@ class _Run:
         tracker.finish()
         res = BuildResult(ctx.name, path, pack.original_tokens, pack.kept_entries(), written,
                           time.perf_counter() - t0, "replaced" if existed else "built", None, ctx.source, ctx.id,
-                          ctx.line, ctx.part, ctx.parts)
+                          ctx.line, ctx.part, ctx.parts,
+                          tuple(PARAMS[s.method].build_notes(pack.metadata["method_params"],
+                                                             pack.metadata.get("stats") or {})))
         return self.record(res, sha, pack.metadata["fingerprint"].get("weights_sha256"))
 
 
@@ -664,7 +670,7 @@ def summary(results: Iterable[BuildResult], out_dir: str | os.PathLike, *, inter
     """A JSON-serialisable summary of a build: counts per status (``built``, ``up_to_date``, ``replaced``,
     ``failed``), ``bytes_written`` (bytes of packs written by this run), ``seconds``, ``interrupted``, and one
     entry per result under ``contexts`` (``pack`` relative to ``out``, ``source``, ``id``, ``line``, ``part``,
-    ``status``, ``error``, ``tokens``, ``entries_kept``, ``bytes``, ``seconds``)."""
+    ``status``, ``error``, ``tokens``, ``entries_kept``, ``bytes``, ``seconds``, ``notes``)."""
     results = list(results)
     counts = {s: sum(r.status == s for r in results) for s in ("built", "up_to_date", "replaced", "failed")}
     return {
@@ -673,6 +679,7 @@ def summary(results: Iterable[BuildResult], out_dir: str | os.PathLike, *, inter
         "seconds": round(sum(r.seconds for r in results), 3),
         "contexts": [{"pack": r.name + C.FILE_SUFFIX, "source": r.source, "id": r.id, "line": r.line,
                       "part": r.part, "status": r.status, "error": r.error, "tokens": r.tokens,
-                      "entries_kept": r.entries_kept, "bytes": r.bytes_written, "seconds": round(r.seconds, 3)}
+                      "entries_kept": r.entries_kept, "bytes": r.bytes_written, "seconds": round(r.seconds, 3),
+                      "notes": list(r.notes)}
                      for r in results],
     }

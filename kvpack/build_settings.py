@@ -22,6 +22,7 @@ from . import settings as S
 from .errors import InputError
 from .fileformat import check_storage_args
 from .methods import get_method
+from .methods.params import PARAMS
 
 __all__ = ["BuildSettings", "check_ratio", "check_chunk_size", "check_quant"]
 
@@ -79,7 +80,8 @@ class BuildSettings:
     Attributes:
         method: the method's name (a key of ``kvpack.methods.METHODS``).
         method_params: every parameter of the method as the pack records it (``Method.params()``: the defaults
-            completed, e.g. KVzip's ``chunk_size``), JSON values.
+            completed, e.g. KVzip's ``chunk_size``), those that change nothing at their defaults
+            (``MethodParams.canonical``), JSON values.
         ratio: the fraction of the context's KV entries kept, in (0, 1], as recorded (1.0 for ``none``, whatever
             was asked; for ``kvzip-head`` the fraction of (layer, KV head) pairs kept whole).
         quant: ``"none"``, ``"int8"`` or ``"int4"`` (``kvpack.quant``; stored in the compact layout).
@@ -133,7 +135,7 @@ class BuildSettings:
         if kv_dtype not in S.DTYPES:
             raise InputError(f"unknown kv_dtype {kv_dtype!r}; choose one of {', '.join(S.DTYPES)}")
         quantized = quant != C.QUANT_NONE
-        return cls(method=scorer.name, method_params=_json_copy(scorer.params()),
+        return cls(method=scorer.name, method_params=_json_copy(PARAMS[scorer.name].canonical(scorer.params())),
                    ratio=float(scorer.kept_ratio(ratio)), quant=quant, group_size=group_size if quantized else None,
                    zstd_level=zstd_level, checksum=checksum, kv_dtype=kv_dtype, chunk_size=chunk_size,
                    options=_json_copy(options))

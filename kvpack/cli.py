@@ -147,6 +147,16 @@ def _method_params(method: str, given: dict) -> dict:
     return given
 
 
+def _note_inert(method: str, given: dict) -> None:
+    """Say on stderr which of the method options given change nothing with the others (``MethodParams.inert``:
+    ``--max-head-ratio`` under ``--budgets global``), so a user does not believe them applied; the build goes on."""
+    flags = {o.param: o.flag for o in command_line_options()}
+    inert = PARAMS[method].inert({**PARAMS[method].defaults(), **given})
+    for k in given:
+        if k in inert:
+            click.echo(f"note: {flags.get(k, k)} changes nothing here: {inert[k]}", err=True)
+
+
 class _BuildCommand(click.Command):
     """``build``, whose help lists the general options, then ``--ray``'s, then each method's own options (a flag two
     methods share, such as ``--window``, appears under each with that method's meaning and default)."""
@@ -247,6 +257,7 @@ def build(inputs, model_name, method, ratio, out_dir, device, dtype, chunk_size,
     from .model import model_identity
 
     options = _method_params(method, method_options)
+    _note_inert(method, options)
     settings = BuildSettings.make(method=method, ratio=ratio, chunk_size=chunk_size, quant=quant,
                                   group_size=int(group_size), zstd_level=zstd_level, checksum=checksum,
                                   kv_dtype=kv_dtype, **options)
@@ -290,6 +301,8 @@ def build(inputs, model_name, method, ratio, out_dir, device, dtype, chunk_size,
             click.echo(_table(("pack", "tokens", "entries kept", "bytes", "seconds", "status"), rows,
                               right=(1, 2, 3, 4)))
         for r in results:
+            for note in r.notes:
+                click.echo(printable(f"note: {r.name}: {note}"))
             if r.status == "failed":
                 click.echo(printable(f"failed: {r.source}{f':{r.line}' if r.line else ''}: {r.error}"))
         packs = report["built"] + report["up_to_date"] + report["replaced"]  # the files there; failed make none

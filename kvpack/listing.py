@@ -25,7 +25,8 @@ __all__ = ["describe_pack", "list_packs", "pack_files", "verify_report", "info_t
 
 def _changed(method: Any, params: Any, recorded: bool = False) -> list[tuple[str, Any]] | None:
     """``[(parameter, value)]`` of a pack's method parameters that differ from the method's defaults, sorted by name,
-    ``chunk_size`` left out (the prefill chunk, ``--chunk-size``, a build setting rather than a method option), and
+    ``chunk_size`` left out (the prefill chunk, ``--chunk-size``, a build setting rather than a method option), as
+    are parameters the others make inert (``MethodParams.inert``: ``am``'s cap under an uncapped split), and
     values that are not printable scalars dropped; ``None`` for a method this kvpack does not know or parameters that
     are not a dict (header values are untrusted). With ``recorded``, a parameter the pack does not record counts as
     what packs from before it were built with (``MethodParams.absent_means``), as ``kvpack build`` reads it. Raises
@@ -35,16 +36,27 @@ def _changed(method: Any, params: Any, recorded: bool = False) -> list[tuple[str
     if recorded:
         params = {**{k: v for k, v in PARAMS[method].absent_means.items() if k not in params}, **params}
     defaults = PARAMS[method].defaults()
+    inert = PARAMS[method].inert({**defaults, **params})
     changed = []
     for k in sorted(k for k in params if isinstance(k, str)):
         v = params[k]
-        if k == "chunk_size" or not isinstance(v, (str, int, float, bool)) or not k.isprintable():
+        if k == "chunk_size" or k in inert or not isinstance(v, (str, int, float, bool)) or not k.isprintable():
             continue
         if k in defaults and type(defaults[k]) is type(v) and defaults[k] == v:
             continue  # the default (compared with its type: on_policy=0 is not on_policy=False)
         if _text(v).isprintable():  # no control characters reach a terminal
             changed.append((k, v))
     return changed
+
+
+def _effective(method: Any, params: dict) -> tuple[dict, list[str]]:
+    """``(shown, unused)``: a pack's recorded method parameters less those its other parameters make inert
+    (``MethodParams.inert``, read as ``kvpack build`` reads the pack), and the names of those. Raises nothing."""
+    if not isinstance(method, str) or method not in PARAMS or not isinstance(params, dict):
+        return params, []
+    cls = PARAMS[method]
+    inert = cls.inert({**cls.recorded_defaults(), **params})
+    return {k: v for k, v in params.items() if k not in inert}, [k for k in params if k in inert]
 
 
 def method_label(method: Any, params: Any) -> str:
@@ -257,6 +269,7 @@ def info_text(file: str | os.PathLike, *, storage_options: dict | None = None) -
     stats = meta.get("stats") or {}
     source = meta.get("source") or {}
     params = meta.get("method_params") or {}
+    shown, unused = _effective(meta.get("method"), params)
     rope = fp.get("rope") or {}
     sliding = fp.get("sliding_layers") or []
     rows = [
@@ -276,7 +289,8 @@ def info_text(file: str | os.PathLike, *, storage_options: dict | None = None) -
         ("  tokenizer", f"sha256 {_short(fp.get('tokenizer_sha256'))}"),
         ("  weights", f"sha256 {_short(fp.get('weights_sha256'))}"),
         ("method", f"{meta.get('method', '?')}"
-                   + (f" ({', '.join(f'{k}={v}' for k, v in sorted(params.items()))})" if params else "")),
+                   + (f" ({', '.join(f'{k}={v}' for k, v in sorted(shown.items()))})" if shown else "")),
+        *([("  unused here", ", ".join(sorted(unused)))] if unused else []),
         *([("  as build options", flags)] if (flags := build_flags(meta.get("method"), params)) else []),
         ("ratio", str(meta.get("ratio", "?"))),
         ("quantization", _quantization(header, pack)),

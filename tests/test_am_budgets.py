@@ -478,7 +478,8 @@ def test_packs_from_before_the_budgets_read_as_built_with_the_global_split():
     am = PARAMS["am"]
     old = {k: v for k, v in am.defaults().items() if k not in ("budgets", "max_head_ratio", "recent")}
     done = _with_defaults("am", old)
-    assert (done["budgets"], done["max_head_ratio"], done["recent"]) == ("global", 1.0, 0)
+    # the cap an uncapped split never reads stands at its default (MethodParams.canonical)
+    assert (done["budgets"], done["max_head_ratio"], done["recent"]) == ("global", 0.75, 0)
     assert done != get_method("am").params()
     kv_old = {k: v for k, v in PARAMS["kvzip"].defaults().items() if k != "max_head_ratio"}
     assert _with_defaults("kvzip", kv_old) == get_method("kvzip").params()

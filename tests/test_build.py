@@ -219,9 +219,12 @@ def test_a_pack_from_before_a_new_method_parameter_is_still_up_to_date(tmp_path)
     kvpack.save(pack, first.path, zstd_level=3)
     (again,) = list(build(ctxs, model, tok, out_dir=out, method="am", chunk_size=64))
     assert again.status == "up_to_date"
+    (same,) = list(build(ctxs, model, tok, out_dir=out, method="am", chunk_size=64, ridge=0.1,
+                         ridge_to="selected"))
+    assert same.status == "up_to_date"  # the ridge search (the default) makes the ridge inert: the same pack
     (other,) = list(build(ctxs, model, tok, out_dir=out, method="am", chunk_size=64, ridge=0.1,
-                          ridge_to="selected"))
-    assert other.status == "replaced"  # another value of the new parameter is another pack
+                          ridge_to="selected", ridge_search=False))
+    assert other.status == "replaced"  # another value of the new parameter, where it acts, is another pack
 
 
 def test_default_out_dir_is_packs_beside_the_first_input(tmp_path):
@@ -564,3 +567,25 @@ def test_hostile_manifest_lines_are_skipped():
     good = json.dumps({"pack": "b.kvpack", "status": "built"})
     records = parse_manifest(["[" * 100_000, '{"pack": "a\\ud800.kvpack", "status": "built"}', good])
     assert list(records) == ["b.kvpack"]
+
+
+def test_a_build_notes_attention_matching_heads_left_unfitted(tmp_path):
+    """An AM pack whose reference queries are too few to fit most heads says so in its result (``kvpack build``
+    prints it); a pack whose heads were fitted, and other methods, have no note."""
+    from kvpack.methods.params import PARAMS
+
+    (tmp_path / "a.txt").write_text(TEXT[:300], encoding="utf-8")
+    model, tok = tiny_model("llama")
+    ctxs = discover_contexts([tmp_path / "a.txt"])
+    (few,) = list(build(ctxs, model, tok, out_dir=tmp_path / "few", method="am", ratio=0.5, chunk_size=64,
+                        queries=16))
+    assert len(few.notes) == 1 and "fitted 0 of" in few.notes[0] and "= 2 kept entries" in few.notes[0], few.notes
+    (kv,) = list(build(ctxs, model, tok, out_dir=tmp_path / "kv", method="kvzip", chunk_size=64))
+    assert kv.notes == ()
+    am = PARAMS["am"]
+    params = {"queries": 8192, "queries_per_entry": 8.0}
+    stats = {"context_entries": 90 * 100, "context_tokens": 100, "fit": {"heads_unfitted": 45}}
+    assert am.build_notes(params, stats) == []  # half fitted: no note
+    stats["fit"]["heads_unfitted"] = 46
+    assert am.build_notes(params, stats)[0].startswith("Attention Matching fitted 44 of 90 KV heads; the other 46")
+    assert am.build_notes(params, {"fit": "x"}) == [] and am.build_notes(params, {}) == []

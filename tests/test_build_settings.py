@@ -71,17 +71,17 @@ def test_from_json_round_trips_and_checks_again():
 
 
 def test_settings_are_frozen_and_their_json_is_a_copy():
-    s = BuildSettings.make(method="am", ridge=0.1)
+    s = BuildSettings.make(method="am", recent=4)
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.ratio = 0.5
     record = s.to_json()
-    record["options"]["ridge"] = 9.0
-    record["method_params"]["ridge"] = 9.0
-    assert s.options == {"ridge": 0.1} and s.method_params["ridge"] == 0.1
+    record["options"]["recent"] = 9
+    record["method_params"]["recent"] = 9
+    assert s.options == {"recent": 4} and s.method_params["recent"] == 4
     kwargs = s.compress_kwargs()
-    kwargs["ridge"] = 9.0
-    assert s.options == {"ridge": 0.1}
-    assert len({s, BuildSettings.make(method="am", ridge=0.1)}) == 1  # hashable, equal by value
+    kwargs["recent"] = 9
+    assert s.options == {"recent": 4}
+    assert len({s, BuildSettings.make(method="am", recent=4)}) == 1  # hashable, equal by value
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -137,3 +137,23 @@ def test_the_module_imports_without_torch():
     code = "import sys, kvpack.build_settings; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_inert_parameters_are_recorded_at_their_defaults():
+    """``--max-head-ratio`` caps only capped splits, and the ridge search replaces the fit's guards: settings that
+    differ only there are the same build (and the same up-to-date pack); where they act, they differ."""
+    def params(**options):
+        return BuildSettings.make(method="am", **options).method_params
+
+    plain = params()
+    assert params(max_head_ratio=0.9) == plain
+    assert params(value_bound=5.0, held_out_check=False) == plain
+    assert params(max_head_ratio=0.9)["max_head_ratio"] == 0.75
+    capped = params(budgets="global-capped", max_head_ratio=0.9)
+    assert capped["max_head_ratio"] == 0.9
+    assert capped != params(budgets="global-capped")
+    unguarded = params(ridge_search=False, value_bound=5.0)
+    assert unguarded["value_bound"] == 5.0
+    # the self-study seed draws only sampled answers; with them it is a different build
+    assert params(self_study_seed=3) == plain
+    assert params(self_study_seed=3, self_study_temperature=0.7) != params(self_study_temperature=0.7)

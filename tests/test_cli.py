@@ -244,8 +244,9 @@ def test_python_dash_m_and_version():
     (["--method", "am", "--reference", "prefill", "--fit-weights", "share", "--queries", "64"],
      "method\\s+am \\(.*queries=64, queries_per_entry=8.0, recent=16, reference=prefill, .*values=fit, weights=share\\)"),
     (["--method", "am", "--queries", "64"],
-     "method\\s+am \\(.*reference=self-study\\+repeat, ridge=0.0, ridge_search=True, ridge_to=zero, .*values=fit, "
-     "weights=uniform\\)"),
+     "method\\s+am \\(.*reference=self-study\\+repeat, ridge_search=True, schedule=None, score_queries=repeat, .*values=fit, "
+     "weights=uniform\\)\n  unused here\\s+continue_tokens, held_out_check, max_head_ratio, ridge, ridge_to, "
+     "self_study_seed, value_bound$"),
     (["--method", "am", "--ridge", "1", "--ridge-to", "selected", "--queries", "64", "--no-ridge-search"],
      "method\\s+am \\(.*ridge=1.0, ridge_search=False, ridge_to=selected, .*values=fit, weights=uniform\\)"),
 ])
@@ -322,7 +323,11 @@ def test_build_flags_give_the_build_options_that_rebuild_a_pack():
     old = {k: v for k, v in get_method("am").params().items()
            if k not in ("selection", "reference", "queries", "queries_per_entry", "self_study_tokens", "ridge_search")}
     assert build_flags("am", old) == ("--method am --queries 4096 --queries-per-entry 2.0 --reference repeat "
-                                      "--no-ridge-search --select kvzip --self-study-tokens 64")
+                                      "--no-ridge-search --select kvzip")  # no self-study: its tokens unused
+    # a parameter the others make inert is no build option (the cap of an uncapped split)
+    assert build_flags("am", get_method("am", max_head_ratio=0.5).params()) == "--method am"
+    assert build_flags("am", get_method("am", budgets="global-capped", max_head_ratio=0.5).params()) == (
+        "--method am --budgets global-capped --max-head-ratio 0.5")
     assert build_flags("kvzip", {}) == "--method kvzip"
     assert build_flags("not-a-method", {}) is None and build_flags("am", [1]) is None and build_flags(3, {}) is None
     assert build_flags("kvzip", {"max_head_ratio": "0.5\x1b[2J"}) == "--method kvzip"  # no control characters

@@ -136,6 +136,31 @@ class MethodParams:
         (a parameter whose default is not what packs from before it did)."""
         return {**cls.defaults(), **cls.absent_means}
 
+    @classmethod
+    def inert(cls, params: dict) -> dict[str, str]:
+        """``{parameter: why}`` for the parameters that change nothing given the others' values in ``params`` (a
+        complete ``{parameter: value}``, e.g. ``{"budgets": "global", "max_head_ratio": 0.9, ...}`` for ``am``,
+        whose cap applies only to capped splits). Values may come from an untrusted header: only compared, never
+        looked up. None by default. Raises nothing."""
+        return {}
+
+    @classmethod
+    def canonical(cls, params: Any) -> Any:
+        """``params`` (a complete ``{parameter: value}``) with every ``inert`` parameter at its default, so two
+        builds that differ only there compare equal (``kvpack build``'s up-to-date check) and show alike
+        (``kvpack info``, ``ls``). Anything but a dict is returned as given. Raises nothing."""
+        if not isinstance(params, dict):
+            return params
+        inert, defaults = cls.inert(params), cls.defaults()
+        return {k: defaults[k] if k in inert and k in defaults else v for k, v in params.items()}
+
+    @classmethod
+    def build_notes(cls, params: dict, stats: dict) -> list[str]:
+        """Notes for the user about one pack just built with ``params`` (``Method.params()``), from its
+        ``metadata["stats"]`` (``kvpack build`` prints them under its table): what the method did not do as asked.
+        None by default. Raises nothing."""
+        return []
+
     def params(self) -> dict:
         """The method's parameters as stored in the pack's metadata."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
@@ -263,6 +288,47 @@ class AttentionMatchingParams(KVzipParams):
     weights: str = option("uniform", "how the fit weighs each reference query: alike (the paper's), or by the share "
                                      "of its attention on the context rather than the attention sink (kvpack's)",
                           flag="--fit-weights", choices=FIT_WEIGHTS)
+
+    @classmethod
+    def inert(cls, params: dict) -> dict[str, str]:
+        """The cap outside capped splits; the fit's guards and ridge under the ridge search (which chooses among its
+        own fits); the self-study settings without self-study queries (the seed with greedy answers); the sampled
+        continuation's length without it (``AttentionMatching``'s docstring says where each is read)."""
+        out = {}
+        if params.get("budgets") not in ("global-capped", "schedule"):
+            out["max_head_ratio"] = "it caps only --budgets global-capped and schedule"
+        if params.get("ridge_search") is True and params.get("values") == "fit":
+            for k in ("value_bound", "held_out_check", "ridge", "ridge_to"):
+                out[k] = "--ridge-search chooses each head's fit on validation queries instead"
+        if params.get("reference") not in ("self-study", "self-study+repeat"):
+            for k in ("self_study_tokens", "self_study_temperature", "self_study_seed"):
+                out[k] = "it applies only to --reference self-study and self-study+repeat"
+        elif params.get("self_study_temperature") == 0:
+            out["self_study_seed"] = "greedy self-study answers (--self-study-temperature 0) draw nothing"
+        if params.get("reference") not in ("continue", "both"):
+            out["continue_tokens"] = "it applies only to --reference continue and both"
+        return out
+
+    @classmethod
+    def build_notes(cls, params: dict, stats: dict) -> list[str]:
+        """One note when fewer than half the KV heads were fitted (``stats["fit"]["heads_unfitted"]`` of the
+        compressed layers x KV heads, ``context_entries / context_tokens``): the others keep their selected entries
+        as they are, as on long contexts at keep 0.3, where most heads keep more entries than ``queries /
+        queries_per_entry``."""
+        fit = stats.get("fit") if isinstance(stats, dict) else None
+        entries, tokens = (stats.get("context_entries"), stats.get("context_tokens")) if fit else (None, None)
+        if not isinstance(fit, dict) or not isinstance(entries, int) or not isinstance(tokens, int) or tokens < 1:
+            return []
+        heads = entries // tokens
+        unfitted = fit.get("heads_unfitted")
+        if not heads or not isinstance(unfitted, int) or 2 * unfitted <= heads:
+            return []
+        queries, per_entry = params.get("queries"), params.get("queries_per_entry")
+        limit = (f" (a head is fitted only up to --queries {queries} / --queries-per-entry {per_entry:g} = "
+                 f"{int(queries // per_entry):,} kept entries; more queries fit more heads, at a cost that grows "
+                 f"with them)") if isinstance(queries, int) and isinstance(per_entry, float) and per_entry else ""
+        return [f"Attention Matching fitted {heads - unfitted} of {heads} KV heads; the other {unfitted} keep their "
+                f"selected entries as they are{limit}"]
 
     def __post_init__(self):
         super().__post_init__()
