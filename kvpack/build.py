@@ -223,7 +223,7 @@ def plan_build(contexts: Iterable[Context], out_dir: str | os.PathLike, settings
                 item.parts = _recorded_parts(out, ctx, records, sha, wanted, model_id, so)
             rec = records.get(ctx.pack)
             if not split and not item.parts and isinstance(rec, dict) and rec.get("status") == "failed" and rec.get(
-                    "kind") == "too_long" and rec.get("source_sha256") == sha and rec.get("settings") == wanted \
+                    "kind") == "too_long" and rec.get("source_sha256") == sha and _same_settings(rec.get("settings"), wanted) \
                     and rec.get("model") == model_id and isinstance(rec.get("error"), str):
                 item.known_failure = rec["error"]
                 item.known_tokens = rec["tokens"] if type(rec.get("tokens")) is int else 0
@@ -267,16 +267,24 @@ def _recorded(out: Path | str, record: dict | None, sha: str, settings: dict, mo
     pack records its own text's hash, which only its record ties to the document's (``part``)."""
     if not isinstance(record, dict) or record.get("status") not in _DONE or record.get("source_sha256") != sha:
         return None
-    recorded = record.get("settings")
-    if not isinstance(recorded, dict) or record.get("model") != model_id or {
-            **recorded, "method_params": _with_defaults(recorded.get("method"), recorded.get("method_params"))
-    } != settings:
+    if record.get("model") != model_id or not _same_settings(record.get("settings"), settings):
         return None
     header = _matching_header(storage.join(out, record["pack"]), None if part else sha, settings, so)
     if header is None or (header.metadata.get("fingerprint") or {}).get("weights_sha256") != record.get(
             "weights_sha256") or header.file_bytes != record.get("bytes"):
         return None
     return header
+
+
+def _same_settings(recorded: Any, wanted: dict) -> bool:
+    """Whether a manifest record's ``settings`` (``BuildSettings.to_json`` of its build, untrusted) build what
+    ``wanted`` does: every field equal, the recorded method parameters completed and made canonical as
+    ``_with_defaults`` does, and ``options`` (which of them the user spelled out) left out, so a default given
+    explicitly, or a parameter the others make inert, is the same build. Raises nothing."""
+    if not isinstance(recorded, dict):
+        return False
+    mine = {**recorded, "method_params": _with_defaults(recorded.get("method"), recorded.get("method_params"))}
+    return {k: v for k, v in mine.items() if k != "options"} == {k: v for k, v in wanted.items() if k != "options"}
 
 
 def _recorded_parts(out: Path | str, ctx: Context, records: dict, sha: str, settings: dict, model_id: dict,

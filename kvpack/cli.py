@@ -306,7 +306,7 @@ def build(inputs, model_name, method, ratio, out_dir, device, dtype, chunk_size,
             if r.status == "failed":
                 click.echo(printable(f"failed: {r.source}{f':{r.line}' if r.line else ''}: {r.error}"))
         packs = report["built"] + report["up_to_date"] + report["replaced"]  # the files there; failed make none
-        click.echo(f"{packs} packs in {out}: {report['built']} built, {report['up_to_date']} up to date, "
+        click.echo(f"{packs} pack{'' if packs == 1 else 's'} in {out}: {report['built']} built, {report['up_to_date']} up to date, "
                    f"{report['replaced']} replaced; {report['failed']} failed; {report['bytes_written']:,} bytes "
                    f"written in {report['seconds']:.1f} s" + ("; interrupted" if interrupted else ""))
     if interrupted:
@@ -592,7 +592,7 @@ def ls(folder, as_json, storage_option):
                               right=(3, 5, 6)))
         for r in bad:
             click.echo(f"unreadable: {printable(r['pack'])}: {printable(r['error'])}", err=True)
-        click.echo(f"{len(rows)} packs in {printable(str(folder))}, "
+        click.echo(f"{len(rows)} pack{'' if len(rows) == 1 else 's'} in {printable(str(folder))}, "
                    f"{sum(r['bytes'] for r in rows if r['error'] is None):,} bytes"
                    + (f"; {len(bad)} unreadable" if bad else ""))
     if bad:

@@ -450,6 +450,13 @@ def test_plan_trusts_the_manifest_so_an_up_to_date_run_needs_no_model(tmp_path):
     again = list(run_build(plan))  # no model at all
     assert [(r.status, r.bytes_written) for r in again] == [("up_to_date", first.bytes_written),
                                                            ("up_to_date", again[1].path.stat().st_size)]
+    # a default spelled out is the same build: the manifest still answers without the model
+    spelled = BuildSettings.make(ratio=0.3, chunk_size=64, scoring="attention", max_head_ratio=1.0)
+    plan = plan_build(discover_contexts([docs]), out, spelled, model_id=ident)
+    assert not plan.needs_model and plan.up_to_date == 2
+    plan = plan_build(discover_contexts([docs]), out, BuildSettings.make(ratio=0.3, chunk_size=64, scoring="plus"),
+                      model_id=ident)
+    assert plan.needs_model and plan.up_to_date == 0  # another parameter value is another build
     # another model identity, other settings, a changed text or a damaged pack: not trusted without the model
     assert plan_build(discover_contexts([docs]), out, settings, model_id={**ident, "files_sha256": "1" * 64}
                       ).up_to_date == 0
@@ -579,13 +586,19 @@ def test_a_build_notes_attention_matching_heads_left_unfitted(tmp_path):
     ctxs = discover_contexts([tmp_path / "a.txt"])
     (few,) = list(build(ctxs, model, tok, out_dir=tmp_path / "few", method="am", ratio=0.5, chunk_size=64,
                         queries=16))
-    assert len(few.notes) == 1 and "fitted 0 of" in few.notes[0] and "= 2 kept entries" in few.notes[0], few.notes
+    # 16 queries, 2 held out: 14 fit queries / 8 per entry = 1 kept entry at most
+    assert len(few.notes) == 1 and "fitted 0 of" in few.notes[0] and "14 fit queries" in few.notes[0], few.notes
+    assert "= 1 kept entries; a larger --queries fits more" in few.notes[0], few.notes
     (kv,) = list(build(ctxs, model, tok, out_dir=tmp_path / "kv", method="kvzip", chunk_size=64))
     assert kv.notes == ()
     am = PARAMS["am"]
     params = {"queries": 8192, "queries_per_entry": 8.0}
-    stats = {"context_entries": 90 * 100, "context_tokens": 100, "fit": {"heads_unfitted": 45}}
+    stats = {"context_entries": 90 * 100, "context_tokens": 100,
+             "fit": {"heads_unfitted": 45, "queries": 3000, "held_out": 256}}
     assert am.build_notes(params, stats) == []  # half fitted: no note
     stats["fit"]["heads_unfitted"] = 46
-    assert am.build_notes(params, stats)[0].startswith("Attention Matching fitted 44 of 90 KV heads; the other 46")
+    (note,) = am.build_notes(params, stats)
+    assert note.startswith("Attention Matching fitted 44 of 90 KV heads; the other 46")
+    # a short context gave fewer queries than --queries: more of them would change nothing
+    assert "3,000 fit queries / --queries-per-entry 8 = 375 kept entries" in note and "fewer reference queries" in note
     assert am.build_notes(params, {"fit": "x"}) == [] and am.build_notes(params, {}) == []

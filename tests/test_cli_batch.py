@@ -159,7 +159,7 @@ def test_build_split_interrupt_and_threads(short_llama, tmp_path, monkeypatch):
     monkeypatch.setattr(kvpack.build, "compress", interrupted)
     out = tmp_path / "int"
     res = _run(base + ["--out", str(out)] + ["--split"], code=130)
-    assert re.search(r"1 packs in .*: 1 built, .*; interrupted$", res.stdout.splitlines()[-1])
+    assert re.search(r"1 pack in .*: 1 built, .*; interrupted$", res.stdout.splitlines()[-1])
     assert "interrupted: the packs listed are written; run the same command again to resume" in res.stderr
     monkeypatch.setattr(kvpack.build, "compress", real)
     statuses = json.loads(_run(base + ["--out", str(out), "--split", "--json"]).stdout)
@@ -292,7 +292,7 @@ def test_ctrl_c_prints_the_summary_so_far_and_exits_130(tmp_path):
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr and "Aborted" not in stderr
     last = stdout.strip().splitlines()[-1]
-    assert re.search(r"^\d+ packs in .*: \d+ built, 0 up to date, 0 replaced; 0 failed; .*; interrupted$", last), last
+    assert re.search(r"^\d+ packs? in .*: \d+ built, 0 up to date, 0 replaced; 0 failed; .*; interrupted$", last), last
     assert "a.kvpack" in read_manifest(out)
 
 

@@ -323,10 +323,15 @@ class AttentionMatchingParams(KVzipParams):
         unfitted = fit.get("heads_unfitted")
         if not heads or not isinstance(unfitted, int) or 2 * unfitted <= heads:
             return []
-        queries, per_entry = params.get("queries"), params.get("queries_per_entry")
-        limit = (f" (a head is fitted only up to --queries {queries} / --queries-per-entry {per_entry:g} = "
-                 f"{int(queries // per_entry):,} kept entries; more queries fit more heads, at a cost that grows "
-                 f"with them)") if isinstance(queries, int) and isinstance(per_entry, float) and per_entry else ""
+        asked, per_entry = params.get("queries"), params.get("queries_per_entry")
+        n_fit, held = fit.get("queries"), fit.get("held_out")
+        limit = ""
+        if all(type(x) is int for x in (asked, n_fit, held)) and isinstance(per_entry, float) and per_entry >= 1:
+            limit = (f" (a head is fitted only up to its {n_fit:,} fit queries / --queries-per-entry {per_entry:g} "
+                     f"= {int(n_fit // per_entry):,} kept entries; ")
+            limit += ("a larger --queries fits more heads, at a cost that grows with it)" if n_fit + held >= asked
+                      else f"this context gave fewer reference queries than --queries {asked}, so only a lower "
+                           "--queries-per-entry fits more, with fewer queries per entry)")
         return [f"Attention Matching fitted {heads - unfitted} of {heads} KV heads; the other {unfitted} keep their "
                 f"selected entries as they are{limit}"]
 
