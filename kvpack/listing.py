@@ -113,7 +113,8 @@ def describe_pack(path: str | os.PathLike, header: PackHeader | None = None, *,
     ``kvpack_version``, ``layer_budgets`` (context entries kept per compressed layer, when recorded as a list of
     integers, else ``None``), ``bytes_by_section`` (``PackHeader.bytes_by_section``: stored bytes of the header and
     each tensor, adding up to ``bytes``), ``build_options`` (the method's non-default parameters as ``kvpack build`` flags,
-    ``build_flags``; ``None`` for a method this kvpack does not know) and ``fit`` (Attention Matching's fit
+    ``build_flags``; ``None`` for a method this kvpack does not know), ``unused_params`` (the recorded parameters the
+    others make inert, ``MethodParams.inert``: they change nothing in the pack) and ``fit`` (Attention Matching's fit
     statistics, ``fit_summary``; ``None`` for other methods).
 
     Raises:
@@ -139,6 +140,7 @@ def describe_pack(path: str | os.PathLike, header: PackHeader | None = None, *,
         "layer_budgets": budgets if isinstance(budgets, list) and all(type(b) is int for b in budgets) else None,
         "bytes_by_section": header.bytes_by_section(),
         "build_options": build_flags(meta.get("method"), meta.get("method_params")),
+        "unused_params": _effective(meta.get("method"), meta.get("method_params"))[1],
         "fit": fit_summary(stats),
     }
 

@@ -278,6 +278,8 @@ def test_build_with_method_options_and_info_shows_them(docs, models, tmp_path, a
     # info --json carries the same build options as the text, and the model fingerprint's digests
     described = json.loads(_run(["info", str(out / "alpha.kvpack"), "--json"]).stdout)
     assert described["build_options"] == flags.group(1)
+    unused = re.search(r"^  unused here\s+(.*)$", info, re.M)
+    assert described["unused_params"] == (unused.group(1).split(", ") if unused else [])
     assert sum(described["bytes_by_section"].values()) == described["bytes"]
     for name in ("tokenizer", "weights"):
         digest = re.search(rf"^  {name}\s+sha256 ([0-9a-f]+)\.\.\.", info, re.M)
