@@ -117,31 +117,34 @@ def shared_context_cache(keys: list[torch.Tensor], values: list[torch.Tensor], v
     return Cache(layers=[SharedContextLayer(k, v, valid, segments) for k, v in zip(keys, values)])
 
 
-def unpack_rows(packed: Cache, lengths: list[int], valid: torch.Tensor) -> Cache:
+def unpack_rows(packed: Cache, lengths: list[int], valid: torch.Tensor, rows: list[int] | None = None) -> Cache:
     """The sequences packed one after another in the single row of ``packed`` (``lengths`` slots each, all filled),
-    as a batch of one row per sequence, each right-aligned at the batch's widest (left padding) and the rest of
-    each row free for the tokens fed next.
+    as a batch of one row per sequence (or per entry of ``rows``), each right-aligned at the batch's widest (left
+    padding) and the rest of each row free for the tokens fed next.
 
     Args:
         packed: a ``shared_context_cache`` of batch 1 whose filled slots are the sequences, in order.
-        lengths: ``[batch]`` slots of each sequence (``>= 1``; they sum to the packed cache's filled slots).
-        valid: ``[batch, capacity]`` bool of the new rows: ``True`` on row ``b``'s last ``lengths[b]`` slots before
-            ``max(lengths)`` and on every slot from there (``SharedContextLayer``).
+        lengths: ``[sequences]`` slots of each sequence (``>= 1``; they sum to the packed cache's filled slots).
+        valid: ``[batch, capacity]`` bool of the new rows: ``True`` on row ``b``'s last ``lengths[rows[b]]`` slots
+            before ``max(lengths)`` and on every slot from there (``SharedContextLayer``).
+        rows: ``[batch]`` the sequence each row starts from (a sequence may start several rows, e.g. several sampled
+            answers to one prompt); default one row per sequence, in order.
 
     Returns:
         The batch's cache, ``max(lengths)`` slots filled; the context's entries stay shared (the same views).
         Raises ``ValueError`` when the lengths do not add up to the packed slots.
     """
     width, layers = max(lengths), []
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    rows = list(range(len(lengths))) if rows is None else rows
     for layer in packed.layers:
         if sum(lengths) != layer.filled:
             raise ValueError(f"unpack_rows: {sum(lengths)} slots asked for, {layer.filled} packed")
         out = SharedContextLayer(layer.context_keys[0], layer.context_values[0], valid)  # padding slots zero
-        start = 0
-        for b, n in enumerate(lengths):
+        for b, i in enumerate(rows):
+            start, n = starts[i], lengths[i]
             out.keys[b, :, width - n : width] = layer.keys[0, :, start : start + n]
             out.values[b, :, width - n : width] = layer.values[0, :, start : start + n]
-            start += n
         out.filled = width
         layers.append(out)
     return Cache(layers=layers)

@@ -376,6 +376,33 @@ def test_sampled_self_study_is_seeded_and_the_batch_draws_what_one_prompt_at_a_t
     assert runs["other seed"][0] != fed and runs["greedy"][0] != fed
 
 
+def test_several_sampled_answers_per_prompt_share_the_prompt():
+    """``samples=2``: each prompt's tokens are recorded once, every answer's tokens (two per prompt, drawn from their
+    own generators) are; both paths feed and record the same; the first answers are those of ``samples=1``."""
+    prompts = ("Summarize.", "Aggregate all the key facts mentioned in the context, please.", "List names.")
+    sampling = {"temperature": 5.0, "seed": 3}
+    one_fed, two_fed, single_fed = [], [], []
+    one = _self_study_rows(6, False, prompts, one_fed, **sampling)
+    two = _self_study_rows(6, False, prompts, two_fed, samples=2, **sampling)
+    single = _self_study_rows(6, True, prompts, single_fed, samples=2, **sampling)
+    assert len(two_fed) == 2 * len(prompts) and two_fed[: len(prompts)] == one_fed
+    assert single_fed == two_fed and two_fed[len(prompts):] != one_fed  # other draws for the second answers
+    for x, y in zip(single, two):
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+    # rows per KV head: every fed token once per query head of its GQA group, each prompt's tokens once
+    model, _ = tiny_model("llama")
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    assert one[0].shape[1] == group * sum(len(f) for f in one_fed)
+    assert two[0].shape[1] == group * (sum(len(f) for f in two_fed) - _prompt_tokens(prompts))
+
+
+def _prompt_tokens(prompts) -> int:
+    """Tokens of the prompts as the tiny llama model's layout lays them out after the context."""
+    model, tok = tiny_model("llama")
+    layout = chat_layout(tok)
+    return sum(len(layout.question_ids(tok, p)) for p in prompts)
+
+
 def test_sampling_keeps_only_the_top_k_tokens():
     """The warped distribution puts no mass outside the ``TOP_K`` largest logits: a draw from logits whose top
     ``TOP_K`` are the last ids never picks another (drawn many times)."""
@@ -483,3 +510,19 @@ def test_packs_from_before_the_budgets_read_as_built_with_the_global_split():
     assert done != get_method("am").params()
     kv_old = {k: v for k, v in PARAMS["kvzip"].defaults().items() if k != "max_head_ratio"}
     assert _with_defaults("kvzip", kv_old) == get_method("kvzip").params()
+
+
+def test_several_self_study_answers_need_sampling():
+    """``self_study_samples > 1`` with greedy answers would record one answer several times: refused, naming the
+    fix; with a temperature it is a parameter like the others (and inert without self-study)."""
+    from kvpack.errors import InputError
+    from kvpack.methods.params import PARAMS
+
+    with pytest.raises(InputError, match="--self-study-temperature above 0"):
+        get_method("am", self_study_samples=2)
+    with pytest.raises(InputError, match="self_study_samples"):
+        get_method("am", self_study_samples=0, self_study_temperature=0.7)
+    assert get_method("am", self_study_samples=4, self_study_temperature=0.7).self_study_samples == 4
+    am = PARAMS["am"]
+    assert "self_study_samples" in am.inert({**am.defaults(), "reference": "repeat"})
+    assert "self_study_samples" not in am.inert({**am.defaults(), "self_study_temperature": 0.7})

@@ -97,7 +97,7 @@ def packs_for(model, tok, text: str, ratios: list[float], queries: int | None, b
 
     def source_of(p: dict) -> tuple:
         keys = ("reference", "continue_tokens", "self_study_tokens", "self_study_temperature", "self_study_seed",
-                "queries", "on_policy", "ridge_search", "score_queries")
+                "queries", "on_policy", "ridge_search", "score_queries", "self_study_samples")
         return tuple((k, p[k]) for k in keys if k in p)
 
     given = {} if queries is None else {"queries": queries}  # --queries, unless a spec names its own

@@ -80,9 +80,10 @@ class _NextToken:
 @torch.inference_mode()
 def self_study_queries(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int,
                        prompts: tuple[str, ...] = PROMPTS, batched_off: bool = False, fed: list | None = None,
-                       temperature: float = 0.0, seed: int = 0) -> list:
-    """Answer each prompt for at most ``tokens`` tokens after the context (greedily, or sampled: module docstring)
-    and add each compressed layer's queries (prompt and answer tokens) to its reservoir.
+                       temperature: float = 0.0, seed: int = 0, samples: int = 1) -> list:
+    """Answer each prompt ``samples`` times for at most ``tokens`` tokens after the context (greedily, or sampled:
+    module docstring) and add each compressed layer's queries (each prompt's tokens once, every answer's tokens) to
+    its reservoir.
 
     Args:
         model: the causal LM whose ``prefill`` this is; tokenizer: its tokenizer.
@@ -96,14 +97,18 @@ def self_study_queries(model, tokenizer, prefill: Prefill, reservoirs: list, tok
         temperature: ``0`` (default) answers greedily; ``> 0`` samples at that temperature with top-k ``TOP_K`` and
             top-p ``TOP_P`` (the paper's: 0.7).
         seed: the sampled answers' seed, ``>= 0`` (unused when greedy).
+        samples: answers per prompt, ``>= 1`` (more than one only makes sense sampled). Answer ``c`` of prompt
+            ``p`` draws from generator ``c x len(prompts) + p``, so ``samples=1`` draws as before. The prompt is
+            computed and recorded once for all its answers (batched: its packed slots are copied into each answer's
+            row); ``fed`` gets one sequence per answer, prompt included.
 
     Returns:
         ``reservoirs``, filled. Raises nothing of its own.
     """
-    choose = _NextToken(len(prompts), temperature, seed)
+    choose = _NextToken(len(prompts) * samples, temperature, seed)
     if not prefill.spec.sliding_layers and not batched_off:
-        return _batched(model, tokenizer, prefill, reservoirs, tokens, prompts, fed, choose)
-    return _one_by_one(model, tokenizer, prefill, reservoirs, tokens, prompts, fed, choose)
+        return _batched(model, tokenizer, prefill, reservoirs, tokens, prompts, fed, choose, samples)
+    return _one_by_one(model, tokenizer, prefill, reservoirs, tokens, prompts, fed, choose, samples)
 
 
 def _room(model, prefill: Prefill, prompt_tokens: int, tokens: int) -> int:
@@ -114,34 +119,42 @@ def _room(model, prefill: Prefill, prompt_tokens: int, tokens: int) -> int:
 
 
 def _one_by_one(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, prompts, fed: list | None,
-                choose: _NextToken) -> list:
+                choose: _NextToken, samples: int = 1) -> list:
     cache, device = recording_cache(model, prefill, reservoirs)
+    compressed = [cache.layers[l] for l in prefill.spec.compressed_layers]
     eos = tokenizer.eos_token_id
-    for index, prompt in enumerate(prompts):
-        cache.rewind()
-        ids = prefill.layout.question_ids(tokenizer, prompt)
-        room = _room(model, prefill, len(ids), tokens)
-        if room < 0:
-            break  # the context leaves no positions for this prompt
-        x = torch.tensor([ids], device=device)
-        sequence = []
-        for _ in range(room):
-            sequence.extend(x[0].tolist())
-            logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[0, -1]
-            nxt = int(choose(logits[None], [index])[0])
-            if eos is not None and nxt == eos:
-                break
-            x = torch.tensor([[nxt]], device=device)
-        if fed is not None and sequence:
-            fed.append(sequence)
+    for copy in range(samples):
+        for index, prompt in enumerate(prompts):
+            cache.rewind()
+            ids = prefill.layout.question_ids(tokenizer, prompt)
+            room = _room(model, prefill, len(ids), tokens)
+            if room < 0:
+                break  # the context leaves no positions for this prompt
+            x = torch.tensor([ids], device=device)
+            sequence = []
+            for step in range(room):
+                sequence.extend(x[0].tolist())
+                if copy and not step:  # the prompt's queries are recorded with its first answer only
+                    for layer in compressed:
+                        layer.queries = None
+                logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[0, -1]
+                for layer, reservoir in zip(compressed, reservoirs):
+                    layer.queries = reservoir
+                nxt = int(choose(logits[None], [copy * len(prompts) + index])[0])
+                if eos is not None and nxt == eos:
+                    break
+                x = torch.tensor([[nxt]], device=device)
+            if fed is not None and sequence:
+                fed.append(sequence)
     cache.rewind()
     return reservoirs
 
 
 def _batched(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, prompts, fed: list | None,
-             choose: _NextToken) -> list:
-    """The prompts as one batch continuing the context held once (module docstring); the same tokens' queries as
-    ``_one_by_one`` (a row stops at its end-of-sequence token, which is not fed, or after ``room`` calls)."""
+             choose: _NextToken, samples: int = 1) -> list:
+    """The prompts as one batch continuing the context held once (module docstring), one row per answer (``samples``
+    per prompt, answer-major); the same tokens' queries as ``_one_by_one`` (a row stops at its end-of-sequence token,
+    which is not fed, or after ``room`` calls)."""
     use_kvpack_attention(model)
     device = prefill.keys[0].device
     eos = tokenizer.eos_token_id
@@ -155,9 +168,15 @@ def _batched(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, 
             kept.append((x, room, index))
     if not kept:
         return reservoirs
-    ids, rooms, indices = [x for x, _, _ in kept], [r for _, r, _ in kept], [i for _, _, i in kept]
+    # the prompts are packed and computed once; the batch has one row per answer, row r answering packed prompt
+    # source[r] with generator indices[r] (answer c of prompt p: c x len(prompts) + p)
+    packed_ids = [x for x, _, _ in kept]
+    source = [k for _ in range(samples) for k in range(len(kept))]
+    ids = [packed_ids[k] for k in source]
+    rooms = [kept[k][1] for k in source]
+    indices = [c * len(prompts) + kept[k][2] for c in range(samples) for k in range(len(kept))]
     batch, width, n = len(ids), max(len(x) for x in ids), prefill.tokens
-    lengths = [len(x) for x in ids]
+    lengths = [len(x) for x in packed_ids]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
     valid = torch.zeros(batch, width, dtype=torch.bool, device=device)
     for b, r in enumerate(ids):
@@ -167,7 +186,8 @@ def _batched(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, 
     # the prompts go in first packed one after another in one row (no padding computed: on SmolLM2 the four
     # prompts are 115 tokens, 192 padded), each seeing the context and its own tokens; the answers are then
     # decoded as a left-padded batch of one row per prompt (unpack_rows)
-    segments = torch.repeat_interleave(torch.arange(batch, device=device), torch.tensor(lengths, device=device))
+    segments = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                       torch.tensor(lengths, device=device))
     packed = shared_context_cache(prefill.keys, prefill.values, torch.ones(1, sum(lengths), dtype=torch.bool,
                                                                            device=device), segments[None])
     slots = {l: reservoirs[i] for i, l in enumerate(prefill.spec.compressed_layers)}
@@ -191,12 +211,12 @@ def _batched(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, 
     calls = torch.tensor(rooms, device=device)
     sequences = [list(r) for r in ids]  # what each row feeds: its prompt, then its answer tokens while active
     with queries_to(sink), masks_unused():
-        x = torch.tensor([[t for r in ids for t in r]], device=device)
-        positions = torch.cat([torch.arange(n, n + len(r), device=device) for r in ids])[None]
+        x = torch.tensor([[t for r in packed_ids for t in r]], device=device)
+        positions = torch.cat([torch.arange(n, n + len(r), device=device) for r in packed_ids])[None]
         last = torch.tensor(lengths, device=device).cumsum(0) - 1  # each prompt's last token in the packed row
         logits = model(input_ids=x, position_ids=positions, past_key_values=packed, use_cache=True,
-                       logits_to_keep=last).logits[0]
-        cache = unpack_rows(packed, lengths, slots_valid)
+                       logits_to_keep=last).logits[0][torch.tensor(source, device=device)]
+        cache = unpack_rows(packed, lengths, slots_valid, rows=source)
         positions = torch.tensor([[n + len(r) - 1] for r in ids], device=device)
         for step in range(max(rooms)):
             if step:

@@ -59,6 +59,8 @@ MAX_QUERIES = 50_000
 #: Largest self-study sampling temperature accepted (above it the answers are noise) and largest seed (the
 #: generators' seeds, ``seed * 1,000,003 + prompt``, stay within a 64-bit integer).
 MAX_TEMPERATURE, MAX_SEED = 100.0, 2**32 - 1
+#: Most self-study answers sampled per prompt (``self_study_samples``): each is one more row of every decode step.
+MAX_SAMPLES = 64
 #: Per-query shifts of Attention Matching's mass matching (``shift``; ``am_fit``'s module docstring).
 SHIFTS = ("lse", "max")
 #: What Attention Matching's values ridge shrinks them toward (``ridge_to``): zero (a plain ridge) or the selected
@@ -270,6 +272,10 @@ class AttentionMatchingParams(KVzipParams):
                                                 "with top-k 20 and top-p 0.8, as the paper's code does (its "
                                                 "temperature: 0.7)", low=0.0, high=MAX_TEMPERATURE)
     self_study_seed: int = option(0, "seed of sampled self-study answers", low=0, high=MAX_SEED)
+    self_study_samples: int = option(1, "answers sampled per self-study prompt (above 1 needs "
+                                        "--self-study-temperature above 0; the paper samples many conversations "
+                                        "per context); each prompt is computed once for all its samples",
+                                     low=1, high=MAX_SAMPLES)
     # least squares fitted to the reference queries can extrapolate far beyond the data, which other queries then
     # read: on a held-out SmolLM2 passage at keep 0.1 the unbounded fit lost +1.05 nats/token against KVzip's +0.14
     # (BENCHMARKS.md, "Issue 28, fifteenth session"); packs built before the bound read as value_bound=0
@@ -301,7 +307,7 @@ class AttentionMatchingParams(KVzipParams):
             for k in ("value_bound", "held_out_check", "ridge", "ridge_to"):
                 out[k] = "--ridge-search chooses each head's fit on validation queries instead"
         if params.get("reference") not in ("self-study", "self-study+repeat"):
-            for k in ("self_study_tokens", "self_study_temperature", "self_study_seed"):
+            for k in ("self_study_tokens", "self_study_temperature", "self_study_seed", "self_study_samples"):
                 out[k] = "it applies only to --reference self-study and self-study+repeat"
         elif params.get("self_study_temperature") == 0:
             out["self_study_seed"] = "greedy self-study answers (--self-study-temperature 0) draw nothing"
@@ -356,6 +362,14 @@ class AttentionMatchingParams(KVzipParams):
         if self.self_study_seed > MAX_SEED:
             raise InputError(f"am: self_study_seed (--self-study-seed) must be <= {MAX_SEED}, "
                              f"got {self.self_study_seed!r}")
+        check_int(self.name, "self_study_samples", self.self_study_samples, 1)
+        if self.self_study_samples > MAX_SAMPLES:
+            raise InputError(f"am: self_study_samples (--self-study-samples) must be <= {MAX_SAMPLES}, "
+                             f"got {self.self_study_samples!r}")
+        if self.self_study_samples > 1 and self.self_study_temperature == 0:
+            raise InputError(f"am: --self-study-samples {self.self_study_samples} (self_study_samples) needs sampled "
+                             "answers: give --self-study-temperature above 0 too (the paper's is 0.7); greedy "
+                             "answers would repeat one answer per prompt")
         if self.schedule is not None:
             if not isinstance(self.schedule, (str, Path)):
                 raise InputError(f"am: schedule must be a file path, got {self.schedule!r}")
