@@ -718,12 +718,20 @@ def test_self_study_records_the_sequences_it_fed():
     head: as many as the reservoirs recorded, batched or one prompt at a time."""
     from kvpack.methods.am_selfstudy import self_study_queries
 
-    full, pools, scorer = _reference_pools("llama", reference="self-study", self_study_tokens=4, on_policy=True)
+    full, pools, scorer = _reference_pools("llama", reference="self-study", self_study_tokens=4, on_policy=True,
+                                           self_study_temperature=0.0)  # greedy: one answer per prompt
     group = full.spec.num_heads // full.spec.num_kv_heads
     assert len(scorer._sequences) == 4 and pools[0] == group * sum(len(s) for s in scorer._sequences)
     model, tok = tiny_model("llama")
     one_by_one: list = []
     self_study_queries(model, tok, full, scorer._new_reservoirs(full), 4, batched_off=True, fed=one_by_one)
+    assert one_by_one == scorer._sequences
+    # the defaults: two sampled answers per prompt, each fed with its prompt, whose queries are recorded once
+    full, pools, scorer = _reference_pools("llama", reference="self-study", self_study_tokens=4, on_policy=True)
+    assert len(scorer._sequences) == 8 and scorer._sequences[:4] != scorer._sequences[4:]
+    one_by_one = []
+    self_study_queries(model, tok, full, scorer._new_reservoirs(full), 4, batched_off=True, fed=one_by_one,
+                       temperature=scorer.self_study_temperature, seed=scorer.self_study_seed, samples=2)
     assert one_by_one == scorer._sequences
 
 
@@ -752,8 +760,9 @@ def test_on_policy_sweep_fits_each_layer_on_the_layer_by_layer_replays_queries(m
     spec, layout = model_spec(model), chat_layout(tok)
     prefix = layout.prefix_ids(tok)
     full = prefill(model, prefix + layout.encode(tok, TEXT), len(prefix), layout, spec, 40)
+    # greedy self-study (one answer per prompt), so the off-policy pool and the replays hold the same tokens
     scorer = get_method("am", chunk_size=40, queries=50_000, reference=reference, self_study_tokens=3,
-                        continue_tokens=9, on_policy=True)
+                        continue_tokens=9, on_policy=True, self_study_temperature=0.0)
     scores = scorer.score(model, tok, full)
     passes = scorer._policy_passes(full)
     assert len(passes) >= (3 if "repeat" in reference else 1)

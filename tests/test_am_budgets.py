@@ -512,17 +512,20 @@ def test_packs_from_before_the_budgets_read_as_built_with_the_global_split():
     assert _with_defaults("kvzip", kv_old) == get_method("kvzip").params()
 
 
-def test_several_self_study_answers_need_sampling():
-    """``self_study_samples > 1`` with greedy answers would record one answer several times: refused, naming the
-    fix; with a temperature it is a parameter like the others (and inert without self-study)."""
+def test_several_self_study_answers_are_sampled_ones():
+    """``self_study_samples`` above 1 samples that many answers per prompt; greedy answers (temperature 0) would be
+    one answer repeated, so there it is inert: one answer per prompt, and a pack built so compares as built with
+    the default count."""
     from kvpack.errors import InputError
     from kvpack.methods.params import PARAMS
 
-    with pytest.raises(InputError, match="--self-study-temperature above 0"):
-        get_method("am", self_study_samples=2)
     with pytest.raises(InputError, match="self_study_samples"):
         get_method("am", self_study_samples=0, self_study_temperature=0.7)
     assert get_method("am", self_study_samples=4, self_study_temperature=0.7).self_study_samples == 4
     am = PARAMS["am"]
     assert "self_study_samples" in am.inert({**am.defaults(), "reference": "repeat"})
+    assert "self_study_samples" in am.inert({**am.defaults(), "self_study_temperature": 0.0})
     assert "self_study_samples" not in am.inert({**am.defaults(), "self_study_temperature": 0.7})
+    greedy = _scorer(reference="self-study", self_study_samples=3, self_study_temperature=0.0)
+    once = _scorer(reference="self-study", self_study_samples=1, self_study_temperature=0.0)
+    assert [p.shape for p in greedy._reservoirs[0].parts] == [p.shape for p in once._reservoirs[0].parts]

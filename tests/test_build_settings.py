@@ -154,6 +154,7 @@ def test_inert_parameters_are_recorded_at_their_defaults():
     assert capped != params(budgets="global-capped")
     unguarded = params(ridge_search=False, value_bound=5.0)
     assert unguarded["value_bound"] == 5.0
-    # the self-study seed draws only sampled answers; with them it is a different build
-    assert params(self_study_seed=3) == plain
-    assert params(self_study_seed=3, self_study_temperature=0.7) != params(self_study_temperature=0.7)
+    # the self-study seed and answer count act only on sampled answers (the default); greedy, they are inert
+    assert params(self_study_seed=3) != plain and params(self_study_samples=3) != plain
+    greedy = params(self_study_temperature=0.0)
+    assert params(self_study_temperature=0.0, self_study_seed=3, self_study_samples=3) == greedy

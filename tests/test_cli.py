@@ -246,7 +246,7 @@ def test_python_dash_m_and_version():
     (["--method", "am", "--queries", "64"],
      "method\\s+am \\(.*reference=self-study\\+repeat, ridge_search=True, schedule=None, score_queries=repeat, .*values=fit, "
      "weights=uniform\\)\n  unused here\\s+continue_tokens, held_out_check, max_head_ratio, ridge, ridge_to, "
-     "self_study_seed, value_bound$"),
+     "value_bound$"),
     (["--method", "am", "--ridge", "1", "--ridge-to", "selected", "--queries", "64", "--no-ridge-search"],
      "method\\s+am \\(.*ridge=1.0, ridge_search=False, ridge_to=selected, .*values=fit, weights=uniform\\)"),
 ])

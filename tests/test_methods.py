@@ -198,6 +198,7 @@ def test_build_flags_are_made_from_the_declared_fields():
         "--max-head-ratio": "max_head_ratio", "--budgets": "budgets", "--schedule": "schedule", "--recent": "recent",
         "--score-queries": "score_queries", "--self-study-tokens": "self_study_tokens",
         "--self-study-temperature": "self_study_temperature", "--self-study-seed": "self_study_seed",
+        "--self-study-samples": "self_study_samples",
         "--queries-per-entry": "queries_per_entry"}
     assert [u[0] for u in opts["--window"].uses] == ["kvzip-head", "snapkv", "pyramidkv"]
     assert [(u[0], u[2]) for u in opts["--beta"].uses] == [("d2o", 0.7), ("pyramidkv", 20.0)]

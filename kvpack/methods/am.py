@@ -257,11 +257,14 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             ``kvpack.methods.am_continue``), ``"both"`` (one pool of the two), ``"self-study"`` or
             ``"self-study+repeat"``, ``"prefill"`` or ``"prefill+repeat"``.
         self_study_tokens: answer tokens per self-study prompt at most (default 16), ``>= 1``.
-        self_study_temperature: ``0`` (default) answers the self-study prompts greedily; ``> 0`` samples them at
-            that temperature with top-k 20 and top-p 0.8, as the paper's code does (its temperature: 0.7).
+        self_study_temperature: the self-study answers are sampled at this temperature (default 0.7, the paper
+            code's) with top-k 20 and top-p 0.8, as the paper's code samples them; ``0`` answers greedily (the
+            default until issue 28's twenty-ninth session).
         self_study_seed: the sampled answers' seed, ``>= 0`` (``kvpack.methods.am_selfstudy``).
-        self_study_samples: answers sampled per self-study prompt (default 1; above 1 needs
-            ``self_study_temperature > 0``), each prompt computed and recorded once for all of them.
+        self_study_samples: answers sampled per self-study prompt (default 2: BENCHMARKS.md, "Issue 28,
+            twenty-ninth session"), each prompt computed and recorded once for all of them (off-policy:
+            ``on_policy`` replays each answer after its prompt, so there the prompt's queries count once per
+            answer); greedy answers (``self_study_temperature=0``) are one per prompt.
         continue_tokens: sampled tokens for ``"continue"`` and ``"both"`` (one decode step each), ``>= 1``.
         ridge: the values' least squares regularised by ``ridge x mean(diag(X^T X))`` (``am_fit.least_squares``),
             in ``[0, 1]``; 0 (default) is the paper's plain least squares. Plain least squares fits the repeat
@@ -355,7 +358,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             studied = self_study_queries(model, tokenizer, prefill, self._new_reservoirs(prefill),
                                          self.self_study_tokens, fed=self._sequences,
                                          temperature=self.self_study_temperature, seed=self.self_study_seed,
-                                         samples=self.self_study_samples)
+                                         samples=self.self_study_samples if self.self_study_temperature > 0 else 1)
             if self.reference == "self-study":
                 self._reservoirs = studied
             else:  # one pool, subsampled to ``queries`` by ``QueryReservoir.split``

@@ -5,8 +5,9 @@ the cached context, and the queries of the prompt and answer tokens are recorded
 Each prompt of ``PROMPTS`` (the official specs' conversation starters ``summarize``, ``aggregate`` and
 ``structure_json``, and the ``3_question`` seed prompt) is laid out as a question after the context
 (``ChatLayout.question_ids``) and answered for at most ``tokens`` tokens (stopping at end-of-sequence), over the
-full prefilled cache. By default the answers are greedy, so the queries are a function of the context alone. With
-``temperature > 0`` they are sampled as the official code samples its self-study answers without thinking
+full prefilled cache, ``samples`` times per prompt. With ``temperature = 0`` (this function's default) the answers
+are greedy, one per prompt. With ``temperature > 0`` (``--method am``'s default: 0.7, two answers per prompt) they
+are sampled as the official code samples its self-study answers without thinking
 (``SelfStudyConfig``: temperature 0.7, top-k 20, top-p 0.8), through transformers' logits warpers, each prompt
 from its own ``torch.Generator`` seeded by ``(seed, prompt index)``: two builds with one seed record the same
 queries, and the batch draws the same tokens as one prompt at a time. The paper generates up to 2,048 answer

@@ -227,7 +227,9 @@ class AttentionMatchingParams(KVzipParams):
                                                "ridge_search": False, "score_queries": "repeat",
                                                # the defaults until issue 28's twenty-sixth session
                                                "selection": "kvzip", "reference": "repeat", "queries": 4096,
-                                               "queries_per_entry": 2.0, "self_study_tokens": 64}
+                                               "queries_per_entry": 2.0, "self_study_tokens": 64,
+                                               # the defaults until issue 28's twenty-ninth session
+                                               "self_study_temperature": 0.0, "self_study_samples": 1}
     max_head_ratio: float = option(0.75, "most of a KV head's own context entries it may keep with --budgets "
                                          "global-capped or schedule (the paper's --max-ratio-per-head)",
                                    low=0.0, high=1.0)
@@ -268,13 +270,13 @@ class AttentionMatchingParams(KVzipParams):
     continue_tokens: int = 512
     self_study_tokens: int = option(16, "answer tokens per self-study prompt at most (one decode step each; the "
                                         "paper's answers run to 2,048)", low=1)
-    self_study_temperature: float = option(0.0, "0: greedy self-study answers; above 0 sampled at this temperature "
-                                                "with top-k 20 and top-p 0.8, as the paper's code does (its "
-                                                "temperature: 0.7)", low=0.0, high=MAX_TEMPERATURE)
+    self_study_temperature: float = option(0.7, "self-study answers sampled at this temperature with top-k 20 and "
+                                                "top-p 0.8, as the paper's code samples them (0.7 is its); 0: greedy",
+                                           low=0.0, high=MAX_TEMPERATURE)
     self_study_seed: int = option(0, "seed of sampled self-study answers", low=0, high=MAX_SEED)
-    self_study_samples: int = option(1, "answers sampled per self-study prompt (above 1 needs "
-                                        "--self-study-temperature above 0; the paper samples many conversations "
-                                        "per context); each prompt is computed once for all its samples",
+    self_study_samples: int = option(2, "answers sampled per self-study prompt (the paper samples many "
+                                        "conversations per context); each prompt is computed once for all of them; "
+                                        "greedy answers (--self-study-temperature 0) are one per prompt",
                                      low=1, high=MAX_SAMPLES)
     # least squares fitted to the reference queries can extrapolate far beyond the data, which other queries then
     # read: on a held-out SmolLM2 passage at keep 0.1 the unbounded fit lost +1.05 nats/token against KVzip's +0.14
@@ -311,6 +313,7 @@ class AttentionMatchingParams(KVzipParams):
                 out[k] = "it applies only to --reference self-study and self-study+repeat"
         elif params.get("self_study_temperature") == 0:
             out["self_study_seed"] = "greedy self-study answers (--self-study-temperature 0) draw nothing"
+            out["self_study_samples"] = "greedy self-study answers (--self-study-temperature 0) are one per prompt"
         if params.get("reference") not in ("continue", "both"):
             out["continue_tokens"] = "it applies only to --reference continue and both"
         return out
@@ -366,10 +369,7 @@ class AttentionMatchingParams(KVzipParams):
         if self.self_study_samples > MAX_SAMPLES:
             raise InputError(f"am: self_study_samples (--self-study-samples) must be <= {MAX_SAMPLES}, "
                              f"got {self.self_study_samples!r}")
-        if self.self_study_samples > 1 and self.self_study_temperature == 0:
-            raise InputError(f"am: --self-study-samples {self.self_study_samples} (self_study_samples) needs sampled "
-                             "answers: give --self-study-temperature above 0 too (the paper's is 0.7); greedy "
-                             "answers would repeat one answer per prompt")
+
         if self.schedule is not None:
             if not isinstance(self.schedule, (str, Path)):
                 raise InputError(f"am: schedule must be a file path, got {self.schedule!r}")
