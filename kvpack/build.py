@@ -223,7 +223,8 @@ def plan_build(contexts: Iterable[Context], out_dir: str | os.PathLike, settings
                 item.parts = _recorded_parts(out, ctx, records, sha, wanted, model_id, so)
             rec = records.get(ctx.pack)
             if not split and not item.parts and isinstance(rec, dict) and rec.get("status") == "failed" and rec.get(
-                    "kind") == "too_long" and rec.get("source_sha256") == sha and _same_settings(rec.get("settings"), wanted) \
+                    "kind") == "too_long" and rec.get("source_sha256") == sha \
+                    and _same_settings(rec.get("settings"), wanted) \
                     and rec.get("model") == model_id and isinstance(rec.get("error"), str):
                 item.known_failure = rec["error"]
                 item.known_tokens = rec["tokens"] if type(rec.get("tokens")) is int else 0

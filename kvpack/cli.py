@@ -306,7 +306,8 @@ def build(inputs, model_name, method, ratio, out_dir, device, dtype, chunk_size,
             if r.status == "failed":
                 click.echo(printable(f"failed: {r.source}{f':{r.line}' if r.line else ''}: {r.error}"))
         packs = report["built"] + report["up_to_date"] + report["replaced"]  # the files there; failed make none
-        click.echo(f"{packs} pack{'' if packs == 1 else 's'} in {out}: {report['built']} built, {report['up_to_date']} up to date, "
+        click.echo(f"{packs} pack{'' if packs == 1 else 's'} in {out}: {report['built']} built, "
+                   f"{report['up_to_date']} up to date, "
                    f"{report['replaced']} replaced; {report['failed']} failed; {report['bytes_written']:,} bytes "
                    f"written in {report['seconds']:.1f} s" + ("; interrupted" if interrupted else ""))
     if interrupted:

@@ -175,9 +175,9 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     up to ``HELD_OUT`` are held out of the fit to measure it.
     ``reference="continue"`` takes instead the queries of tokens the model samples after the context
     (``kvpack.methods.am_continue``), ``"both"`` pools the two sources; ``"self-study"`` takes the queries of the
-    model's greedy answers to the paper's self-study prompts (§4.1, ``kvpack.methods.am_selfstudy``), and
-    ``"self-study+repeat"`` pools them with the repeat pass's (the paper's ``ss-plus-repeat``); ``"prefill"`` takes
-    the context's own prefill queries, recorded as the prefill runs (the paper's ``context-prefill``,
+    model's answers (by default two per prompt, sampled) to the paper's self-study prompts (§4.1,
+    ``kvpack.methods.am_selfstudy``), and ``"self-study+repeat"`` pools them with the repeat pass's (the paper's
+    ``ss-plus-repeat``); ``"prefill"`` takes the context's own prefill queries, recorded as the prefill runs (the paper's ``context-prefill``,
     ``kvpack.methods.am_prefill``; free when the prefill ran with this method's ``recorder``, one more prefill
     otherwise), and ``"prefill+repeat"`` pools them with the repeat pass's.
 

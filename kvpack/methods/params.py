@@ -43,7 +43,7 @@ MERGE_MODES = ("keys+values", "values", "off")
 SELECTIONS = ("kvzip", "rms", "kvzip+rms", "omp")
 VALUE_MODES = ("fit", "copy", "merge")
 #: Sources of Attention Matching's reference queries (``reference``): KVzip's repeat pass, sampled
-#: self-continuations, both of those, the model's greedy answers to self-study prompts about the context
+#: self-continuations, both of those, the model's answers to self-study prompts about the context
 #: (``kvpack.methods.am_selfstudy``), self-study pooled with the repeat pass (the paper's ``ss-plus-repeat``), the
 #: context's own prefill queries (the paper's ``context-prefill``, ``kvpack.methods.am_prefill``), or those pooled
 #: with the repeat pass's.
@@ -300,8 +300,9 @@ class AttentionMatchingParams(KVzipParams):
     @classmethod
     def inert(cls, params: dict) -> dict[str, str]:
         """The cap outside capped splits; the fit's guards and ridge under the ridge search (which chooses among its
-        own fits); the self-study settings without self-study queries (the seed with greedy answers); the sampled
-        continuation's length without it (``AttentionMatching``'s docstring says where each is read)."""
+        own fits); the self-study settings without self-study queries (the seed and count with greedy answers);
+        the sampled continuation's length without it (``AttentionMatching``'s docstring says where each is
+        read)."""
         out = {}
         if params.get("budgets") not in ("global-capped", "schedule"):
             out["max_head_ratio"] = "it caps only --budgets global-capped and schedule"
