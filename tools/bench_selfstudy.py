@@ -12,6 +12,9 @@ on a quiet machine (``--batched-only`` skips the one-prompt-at-a-time path):
     git worktree add /tmp/base <commit>
     for t in /tmp/base . /tmp/base .; do OMP_NUM_THREADS=1 python tools/bench_selfstudy.py --model smollm2-135m \\
         --threads 1 --batched-only --tree $t; done
+
+``--samples 1,2,4 --temperature 0.7`` times one, two and four sampled answers per prompt (``--self-study-samples``),
+interleaved.
 """
 
 from __future__ import annotations
@@ -32,7 +35,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batched-only", action="store_true", help="time the batched path alone")
+    ap.add_argument("--samples", default="1", help="answers per prompt, e.g. 1,2,4: each count is timed "
+                    "(batched), interleaved; above 1 needs --temperature above 0")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers; else sampled (am's: 0.7)")
     args = ap.parse_args()
+    counts = [int(c) for c in args.samples.split(",")]
     sys.path.insert(0, str(Path(args.tree).resolve()))
 
     import torch
@@ -51,20 +58,30 @@ def main() -> None:
     spec, layout = model_spec(model), chat_layout(tok)
     prefix = layout.prefix_ids(tok)
     full = prefill(model, prefix + layout.encode(tok, doc.text), len(prefix), layout, spec, 2048)
-    paths = (("batched", False),) if args.batched_only else (("one by one", True), ("batched", False))
-    seconds, rows = {name: [] for name, _ in paths}, {}
+    paths = [] if args.batched_only or counts != [1] else [("one by one", True, 1)]
+    paths += [("batched" if c == 1 else f"batched, {c} answers", False, c) for c in counts]
+    seconds, rows = {name: [] for name, _, _ in paths}, {}
     for _ in range(args.repeats):
-        for name, off in paths:
+        for name, off, count in paths:
             res = [QueryReservoir(spec.num_kv_heads, 50_000) for _ in spec.compressed_layers]
+            # older trees (--tree) take neither: pass them only when asked
+            sampling = {"temperature": args.temperature} if args.temperature else {}
+            sampling.update({"samples": count} if count != 1 else {})
             t = time.perf_counter()
-            self_study_queries(model, tok, full, res, args.tokens, batched_off=off)
+            self_study_queries(model, tok, full, res, args.tokens, batched_off=off, **sampling)
             seconds[name].append(time.perf_counter() - t)
             rows[name] = sum(p.shape[1] for p in res[0].parts)
+    for name, _, count in paths:
+        if count != 1:
+            print(f"{name}: {statistics.median(seconds[name]):.2f} s "
+                  f"({', '.join(f'{s:.2f}' for s in seconds[name])}), query rows {rows[name]}")
+    if "batched" not in seconds:
+        return
     bat = statistics.median(seconds["batched"])
     print(f"{kvpack.__file__}: context {full.tokens} tokens, {args.tokens} calls per prompt: batched {bat:.2f} s "
           f"({', '.join(f'{s:.2f}' for s in seconds['batched'])}), query rows per KV head of layer 0: "
           f"{rows['batched']}")
-    if not args.batched_only:
+    if "one by one" in seconds:
         one = statistics.median(seconds["one by one"])
         print(f"one by one {one:.2f} s (batched: {bat / one:.2f}x of it), query rows {rows['one by one']}")
 

@@ -165,8 +165,8 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     attention over the whole context (arXiv 2602.16284 §3).
 
     Defaults (BENCHMARKS.md, "Issue 28, twenty-sixth session" and "twenty-eighth session"): KVzip's uncapped
-    budget split, the paper's ``ss-plus-repeat`` queries with short greedy self-study answers (16 tokens per
-    prompt), RMS selection, 8,192 queries per KV head, and kvpack's validated per-head choice (``ridge_search``) in
+    budget split, the paper's ``ss-plus-repeat`` queries with short sampled self-study answers (two per prompt,
+    16 tokens each; "twenty-ninth session"), RMS selection, 8,192 queries per KV head, and kvpack's validated per-head choice (``ridge_search``) in
     place of the paper's always-fit.
 
     Reference queries (§4.1, "repeat" queries): the queries of KVzip's repeat pass (arXiv 2505.23416 §3.2), which
@@ -177,8 +177,8 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     (``kvpack.methods.am_continue``), ``"both"`` pools the two sources; ``"self-study"`` takes the queries of the
     model's answers (by default two per prompt, sampled) to the paper's self-study prompts (§4.1,
     ``kvpack.methods.am_selfstudy``), and ``"self-study+repeat"`` pools them with the repeat pass's (the paper's
-    ``ss-plus-repeat``); ``"prefill"`` takes the context's own prefill queries, recorded as the prefill runs (the paper's ``context-prefill``,
-    ``kvpack.methods.am_prefill``; free when the prefill ran with this method's ``recorder``, one more prefill
+    ``ss-plus-repeat``); ``"prefill"`` takes the context's own prefill queries, recorded as the prefill runs (the
+    paper's ``context-prefill``, ``kvpack.methods.am_prefill``; free when the prefill ran with this method's ``recorder``, one more prefill
     otherwise), and ``"prefill+repeat"`` pools them with the repeat pass's.
 
     When KVzip's repeat pass sees the whole context (one chunk, ``context_tokens <= chunk_size``) and the pass is the

@@ -8,8 +8,8 @@ Each prompt of ``PROMPTS`` (the official specs' conversation starters ``summariz
 full prefilled cache, ``samples`` times per prompt. With ``temperature = 0`` (this function's default) the answers
 are greedy, one per prompt. With ``temperature > 0`` (``--method am``'s default: 0.7, two answers per prompt) they
 are sampled as the official code samples its self-study answers without thinking
-(``SelfStudyConfig``: temperature 0.7, top-k 20, top-p 0.8), through transformers' logits warpers, each prompt
-from its own ``torch.Generator`` seeded by ``(seed, prompt index)``: two builds with one seed record the same
+(``SelfStudyConfig``: temperature 0.7, top-k 20, top-p 0.8), through transformers' logits warpers, each answer
+from its own ``torch.Generator`` seeded by ``(seed, answer index)``: two builds with one seed record the same
 queries, and the batch draws the same tokens as one prompt at a time. The paper generates up to 2,048 answer
 tokens per prompt (4,096 with thinking for its questions); kvpack bounds the cost to ``tokens`` forward calls per
 prompt (the prompt, then ``tokens - 1`` answer tokens).
@@ -135,12 +135,14 @@ def _one_by_one(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: in
             sequence = []
             for step in range(room):
                 sequence.extend(x[0].tolist())
-                if copy and not step:  # the prompt's queries are recorded with its first answer only
+                muted = copy > 0 and step == 0  # the prompt's queries are recorded with its first answer only
+                if muted:
                     for layer in compressed:
                         layer.queries = None
                 logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[0, -1]
-                for layer, reservoir in zip(compressed, reservoirs):
-                    layer.queries = reservoir
+                if muted:
+                    for layer, reservoir in zip(compressed, reservoirs):
+                        layer.queries = reservoir
                 nxt = int(choose(logits[None], [copy * len(prompts) + index])[0])
                 if eos is not None and nxt == eos:
                     break
@@ -186,7 +188,7 @@ def _batched(model, tokenizer, prefill: Prefill, reservoirs: list, tokens: int, 
     slots_valid = torch.cat([valid, torch.ones(batch, max(rooms) - 1, dtype=torch.bool, device=device)], dim=1)
     # the prompts go in first packed one after another in one row (no padding computed: on SmolLM2 the four
     # prompts are 115 tokens, 192 padded), each seeing the context and its own tokens; the answers are then
-    # decoded as a left-padded batch of one row per prompt (unpack_rows)
+    # decoded as a left-padded batch of one row per answer (unpack_rows)
     segments = torch.repeat_interleave(torch.arange(len(lengths), device=device),
                                        torch.tensor(lengths, device=device))
     packed = shared_context_cache(prefill.keys, prefill.values, torch.ones(1, sum(lengths), dtype=torch.bool,

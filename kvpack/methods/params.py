@@ -370,7 +370,6 @@ class AttentionMatchingParams(KVzipParams):
         if self.self_study_samples > MAX_SAMPLES:
             raise InputError(f"am: self_study_samples (--self-study-samples) must be <= {MAX_SAMPLES}, "
                              f"got {self.self_study_samples!r}")
-
         if self.schedule is not None:
             if not isinstance(self.schedule, (str, Path)):
                 raise InputError(f"am: schedule must be a file path, got {self.schedule!r}")
