@@ -217,3 +217,23 @@ def _is_submodule(module, name: str) -> bool:
     import importlib.util
 
     return hasattr(module, "__path__") and importlib.util.find_spec(f"{module.__name__}.{name}") is not None
+
+
+def test_bench_am_fit_side_names_are_parameters():
+    """``tools/bench_am.py`` shares one scoring pass between AM variants that differ only in ``FIT_SIDE``
+    parameters; a name there that is no AM parameter (a rename) would make two variants share a pass they should
+    not, and a parameter read by ``score()`` must not be there (the self-study and reference settings)."""
+    import dataclasses
+    import importlib.util
+
+    from kvpack.methods.params import AttentionMatchingParams, KVzipParams
+
+    spec = importlib.util.spec_from_file_location("bench_am", ROOT / "tools" / "bench_am.py")
+    bench_am = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_am)
+    am_fields = {f.name for f in dataclasses.fields(AttentionMatchingParams)}
+    assert bench_am.FIT_SIDE <= am_fields, bench_am.FIT_SIDE - am_fields
+    assert bench_am.KVZIP_SELECT_SIDE <= {f.name for f in dataclasses.fields(KVzipParams)}
+    read_by_score = {"reference", "queries", "on_policy", "score_queries", "ridge_search", "continue_tokens"}
+    read_by_score |= {f for f in am_fields if f.startswith("self_study_")}
+    assert not bench_am.FIT_SIDE & read_by_score

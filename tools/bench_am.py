@@ -50,6 +50,12 @@ from kvpack.model import model_spec  # noqa: E402
 from kvpack.prefill import prefill  # noqa: E402
 
 VARIANTS = ("kvzip", "am", "am[values=copy]", "am[values=merge]")  # method specs (kvpack.bench.specs)
+#: AM parameters read only by the selection and the fit, after ``score()``: variants that differ only in these share
+#: one scoring pass and its reference queries (``packs_for``).
+FIT_SIDE = frozenset({"budgets", "max_head_ratio", "schedule", "recent", "selection", "values", "queries_per_entry",
+                      "held_out_check", "shift", "value_bound", "ridge", "ridge_to", "weights"})
+#: KVzip parameters read only by its selection: a kvzip variant with any other parameter scores on its own.
+KVZIP_SELECT_SIDE = frozenset({"max_head_ratio"})
 
 
 def split_budget(scorer, scores: torch.Tensor, ratio: float, full, budget: str) -> torch.Tensor:
@@ -93,12 +99,12 @@ def packs_for(model, tok, text: str, ratios: list[float], queries: int | None, b
     scores = get_method("kvzip").score(model, tok, full)
     t_kvzip = time.perf_counter() - t0
     specs = {name: parse_method_spec(name) for name in variants}
-    scorers, source_seconds, source_scores = {}, {}, {}
+    scorers, source_seconds, source_scores, kvzip_scores = {}, {}, {}, {}
 
     def source_of(p: dict) -> tuple:
-        keys = ("reference", "continue_tokens", "self_study_tokens", "self_study_temperature", "self_study_seed",
-                "queries", "on_policy", "ridge_search", "score_queries", "self_study_samples")
-        return tuple((k, p[k]) for k in keys if k in p)
+        # every parameter but the selection's and the fit's (FIT_SIDE) may change what score() records, so a
+        # variant shares a scorer only with variants that agree on all of them (a new parameter gets its own)
+        return tuple(sorted((k, v) for k, v in p.items() if k not in FIT_SIDE))
 
     given = {} if queries is None else {"queries": queries}  # --queries, unless a spec names its own
     out, spent = {}, {name: 0.0 for name in variants}
@@ -125,7 +131,10 @@ def packs_for(model, tok, text: str, ratios: list[float], queries: int | None, b
                     scores_m = source_scores[source_of(p)]
                 else:
                     m = get_method(method, **p)
-                    scores_m = scores
+                    scored = tuple(sorted((k, v) for k, v in p.items() if k not in KVZIP_SELECT_SIDE))
+                    if scored and scored not in kvzip_scores:  # e.g. kvzip[scoring=plus]: its own scoring pass
+                        kvzip_scores[scored] = m.score(model, tok, full)
+                    scores_m = kvzip_scores[scored] if scored else scores
                 if budget == "global":
                     keep_m = m.select(scores_m, r, full)
                 else:
