@@ -166,8 +166,8 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
 
     Defaults (BENCHMARKS.md, "Issue 28, twenty-sixth session" and "twenty-eighth session"): KVzip's uncapped
     budget split, the paper's ``ss-plus-repeat`` queries with short sampled self-study answers (two per prompt,
-    16 tokens each; "twenty-ninth session"), RMS selection, 8,192 queries per KV head, and kvpack's validated per-head choice (``ridge_search``) in
-    place of the paper's always-fit.
+    16 tokens each; "twenty-ninth session"), RMS selection, 8,192 queries per KV head, and kvpack's validated
+    per-head choice (``ridge_search``) in place of the paper's always-fit.
 
     Reference queries (§4.1, "repeat" queries): the queries of KVzip's repeat pass (arXiv 2505.23416 §3.2), which
     scoring runs anyway, recorded as each layer sees them (after q-norm and RoPE), the query heads of a GQA group
@@ -178,8 +178,8 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     model's answers (by default two per prompt, sampled) to the paper's self-study prompts (§4.1,
     ``kvpack.methods.am_selfstudy``), and ``"self-study+repeat"`` pools them with the repeat pass's (the paper's
     ``ss-plus-repeat``); ``"prefill"`` takes the context's own prefill queries, recorded as the prefill runs (the
-    paper's ``context-prefill``, ``kvpack.methods.am_prefill``; free when the prefill ran with this method's ``recorder``, one more prefill
-    otherwise), and ``"prefill+repeat"`` pools them with the repeat pass's.
+    paper's ``context-prefill``, ``kvpack.methods.am_prefill``; free when the prefill ran with this method's
+    ``recorder``, one more prefill otherwise), and ``"prefill+repeat"`` pools them with the repeat pass's.
 
     When KVzip's repeat pass sees the whole context (one chunk, ``context_tokens <= chunk_size``) and the pass is the
     float32 one (``kvpack.stats.one_pass_attention``), it also gives the RMS selection its queries' attention over
@@ -221,10 +221,10 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     normal equations, then the same with the smallest ridge ``1e-6 x 10^k x mean(diag)`` that factorises, then the
     SVD pseudo-inverse), as the paper does. One guard of kvpack's own (not in the paper, which fits with up to
     50,000 queries per head): a head keeping more than ``1 / queries_per_entry`` of its fit queries' count is
-    not fitted (least squares would interpolate noise, at a cost of ``O(n t^2)``; nor is a head that keeps none or all of its context entries,
-    where there is nothing to fit). ``held_out_check`` (on by default, though the paper has no such rule: without it
-    SmolLM2 at keep 0.1 answered a planted-fact question with an empty string) keeps the
-    selection (beta = 0, values copied) for a head whose fit is worse on the held-out queries. A fit whose values
+    not fitted (least squares would interpolate noise, at a cost of ``O(n t^2)``; nor is a head that keeps none or
+    all of its context entries, where there is nothing to fit). ``held_out_check`` (on by default, though the paper
+    has no such rule: without it SmolLM2 at keep 0.1 answered a planted-fact question with an empty string) keeps
+    the selection (beta = 0, values copied) for a head whose fit is worse on the held-out queries. A fit whose values
     leave ``[-MAX_KV_ABS, MAX_KV_ABS]`` (an ill-conditioned system; ``kvpack.load`` would refuse the pack) is
     always rejected that way. Either way the head keeps its selected entries as they are.
 
