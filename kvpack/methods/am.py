@@ -14,7 +14,7 @@ from .. import constants as C
 from ..pack import LayerEntries
 from ..prefill import Prefill
 from ..stats import ContextAttention
-from .am_fit import attention_output, fit_head, max_attention, relative_error, rms_attention
+from .am_fit import attention_output, context_attention, fit_head, max_attention, relative_error, rms_attention
 from .am_validate import TAIL_TOKENS, choose_fit
 from .base import top_k_rows
 from .budgets import protect_recent, split
@@ -595,19 +595,26 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                 tally.unfitted += 1
                 continue  # as KVzip selected it (nothing kept, or nothing evicted): beta = 0, values copied
             k_ctx, v_ctx = keys[h, sink:], values[h, sink:]
+            context = cached[1:] if cached is not None and cached[0] is fit_q else None
             fit = fit_head(k_ctx, v_ctx, fit_q[h], kept, scaling, fit_values=self.values == "fit",
                            shift=self.shift, ridge=self.ridge, ridge_to=self.ridge_to,
                            weights=self.weights, sink_keys=keys[h, :sink],
                            keep_design=validated, residual_check=not validated,
-                           beta_solve="clamped" if self.selection == "omp" else "nnls",
-                           context=cached[1:] if cached is not None and cached[0] is fit_q else None)
+                           beta_solve="clamped" if self.selection == "omp" else "nnls", context=context)
+            new_keys = None  # the kept keys as prefilled, unless refined
             new_values, beta = fit.values, fit.beta
             if fit.design is not None:  # ridge_search: the candidate best on the validation queries
                 vq, vpos, vscale = self._validation_queries(prefill, i, h)
-                name, beta, new_values, _ = choose_fit(
+                name, beta, new_values, verrors = choose_fit(
                     keys[h], values[h], prefill.positions[l].to(keys.device), sink, kept, fit.beta,
                     *fit.design, vq.to(keys.device), vpos.to(keys.device), vscale, C.MAX_KV_ABS, normal=fit.normal,
                     plain=fit.values if self.ridge == 0 else None)  # fit_head solved the ridge-0 values already
+                if self.refine_steps > 0:  # gradient steps from the chosen candidate, kept if validated better
+                    got = self._refine(keys[h], values[h], prefill.positions[l].to(keys.device), sink, kept, beta,
+                                       new_values, fit_q[h], scaling, context, vq.to(keys.device),
+                                       vpos.to(keys.device), vscale, verrors[name])
+                    if got is not None:
+                        name, (new_keys, beta, new_values) = "refined", got
                 tally.chosen[name] = tally.chosen.get(name, 0) + 1
                 if name == "selection":
                     tally.reject("ridge_search")
@@ -626,7 +633,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                     continue  # values far outside the context's own: an extrapolating fit
             if n_held:
                 e_fit, e_sel = _held_out_errors(keys[h], values[h], held_q[h], sink, kept, beta,
-                                                new_values.to(keys.device), scaling)
+                                                new_values.to(keys.device), scaling, new_keys)
                 base.append(e_sel)
                 if fit.design is None and self.held_out_check and e_fit > e_sel:
                     tally.reject("held_out_check")
@@ -635,12 +642,41 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                 err.append(e_fit)
             rows = slice(offsets[h] + sink, offsets[h] + sink + len(kept))
             entries.values[rows] = new_values.to(entries.values.dtype).cpu()
+            if new_keys is not None:
+                entries.keys[rows] = new_keys.to(entries.keys.dtype).cpu()
             biases[rows] = beta.cpu()
             ms.append(fit.mass_error)
         entries.biases = biases
         tally.errors.append(_mean(err))
         tally.baseline.append(_mean(base))
         tally.mass.append(_mean(ms))
+
+    def _refine(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, sink: int,
+                kept: torch.Tensor, beta: torch.Tensor, new_values: torch.Tensor, queries: torch.Tensor, scaling: float,
+                context: tuple[torch.Tensor, torch.Tensor] | None, vq: torch.Tensor, vpos: torch.Tensor, vscale: float,
+                chosen_error: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """One head's ``refine_steps`` Adam steps (``am_refine.refine_head``) from the candidate ``choose_fit`` chose
+        (``beta`` ``[t]``, ``new_values`` ``[t, dv]``) on the fit ``queries`` ``[n, d]``: the refined ``(keys [t, d],
+        beta [t], values [t, dv])`` when their error on the validation queries ``vq`` (at ``vpos``) is below the
+        chosen candidate's ``chosen_error`` and every key and value is within the loader's bound, else ``None``.
+        ``keys``, ``values``: ``[tokens, d]`` with the sink first; ``context``: the fit queries' ``(output, lse)``
+        over the context when the RMS selection computed them, else computed here."""
+        from .am_refine import full_output, refine_head
+        from .am_validate import causal_output
+
+        k_ctx, v_ctx = keys[sink:], values[sink:]
+        target, lse = context if context is not None else context_attention(queries, k_ctx, v_ctx, scaling)
+        full = full_output(queries, target, lse, keys[:sink], values[:sink], scaling)
+        rk, rb, rv, _, _ = refine_head(k_ctx[kept], beta, new_values.to(keys.device), queries, full, keys[:sink],
+                                       values[:sink], scaling, self.refine_steps)
+        if not bool(torch.isfinite(rk).all() and torch.isfinite(rv).all()) or \
+                float(rv.abs().max()) > C.MAX_KV_ABS or float(rk.abs().max()) > C.MAX_KV_ABS:
+            return None
+        rows = torch.cat([torch.arange(sink, device=keys.device), sink + kept])
+        want = causal_output(vq, vpos, keys, positions, values, vscale)
+        got = causal_output(vq, vpos, torch.cat([keys[:sink], rk]), positions[rows], torch.cat([values[:sink], rv]),
+                            vscale, bias=torch.cat([torch.zeros(sink, device=keys.device), rb]))
+        return (rk, rb, rv) if relative_error(want, got) < chosen_error else None
 
     def _policy_passes(self, prefill: Prefill) -> list:
         """The on-policy sweep's passes (``am_sweep.PolicyPass``), in the order their queries are pooled: KVzip's
@@ -694,14 +730,17 @@ class _FitTally:
         self.rejected_by[rule] = self.rejected_by.get(rule, 0) + 1
 
 
-def _held_out_errors(keys, values, queries, sink, kept, beta, new_values, scaling) -> tuple[float, float]:
+def _held_out_errors(keys, values, queries, sink, kept, beta, new_values, scaling, new_keys=None
+                     ) -> tuple[float, float]:
     """Relative errors of one head's output on held-out queries over ``[sink, context]``: the compacted head
-    (``beta``, ``new_values``) and KVzip's selection alone (beta = 0, values copied). ``keys``, ``values``:
-    ``[tokens, d]`` float32 with the sink first; ``kept``: indices into the context."""
+    (``beta``, ``new_values``, and ``new_keys`` ``[t, d]`` when refined, else the kept keys) and KVzip's selection
+    alone (beta = 0, values copied). ``keys``, ``values``: ``[tokens, d]`` float32 with the sink first; ``kept``:
+    indices into the context."""
     full = attention_output(queries, keys, values, scaling)
     rows = torch.cat([torch.arange(sink, device=keys.device), sink + kept])
     zeros = torch.zeros(sink, device=keys.device)
-    compact = attention_output(queries, keys[rows], torch.cat([values[:sink], new_values]), scaling,
+    compact_keys = keys[rows] if new_keys is None else torch.cat([keys[:sink], new_keys.to(keys.device)])
+    compact = attention_output(queries, compact_keys, torch.cat([values[:sink], new_values]), scaling,
                                torch.cat([zeros, beta]))
     selected = attention_output(queries, keys[rows], values[rows], scaling)
     return relative_error(full, compact), relative_error(full, selected)

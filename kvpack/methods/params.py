@@ -229,7 +229,8 @@ class AttentionMatchingParams(KVzipParams):
                                                "selection": "kvzip", "reference": "repeat", "queries": 4096,
                                                "queries_per_entry": 2.0, "self_study_tokens": 64,
                                                # the defaults until issue 28's twenty-ninth session
-                                               "self_study_temperature": 0.0, "self_study_samples": 1}
+                                               "self_study_temperature": 0.0, "self_study_samples": 1,
+                                               "refine_steps": 0}
     max_head_ratio: float = option(0.75, "most of a KV head's own context entries it may keep with --budgets "
                                          "global-capped or schedule (the paper's --max-ratio-per-head)",
                                    low=0.0, high=1.0)
@@ -293,6 +294,10 @@ class AttentionMatchingParams(KVzipParams):
                                        "with copied values, or a least-squares fit with a ridge (0 to 1) does best "
                                        "on the context's last 256 tokens' own queries (replaces --value-bound and "
                                        "the held-out check; not in the paper)")
+    refine_steps: int = option(0, "Adam steps that move each fitted head's kept keys, biases and values together "
+                                  "toward the full context's output on the reference queries, kept only where "
+                                  "the validation queries agree (0: the closed form alone; kvpack's, not the "
+                                  "paper's)", low=0, high=10000)
     weights: str = option("uniform", "how the fit weighs each reference query: alike (the paper's), or by the share "
                                      "of its attention on the context rather than the attention sink (kvpack's)",
                           flag="--fit-weights", choices=FIT_WEIGHTS)
@@ -350,6 +355,7 @@ class AttentionMatchingParams(KVzipParams):
         check_choice(self.name, "selection", self.selection, SELECTIONS)
         check_choice(self.name, "weights", self.weights, FIT_WEIGHTS)
         check_bool(self.name, "ridge_search", self.ridge_search)
+        check_int(self.name, "refine_steps", self.refine_steps, 0)
         check_choice(self.name, "values", self.values, VALUE_MODES)
         check_int(self.name, "queries", self.queries, 16)
         check_float(self.name, "queries_per_entry", self.queries_per_entry, 1.0, 1e6)

@@ -1,0 +1,87 @@
+"""Attention Matching's kept entries refined by gradient descent (kvpack's, not the paper's): starting from the
+closed-form fit (``am_fit``), the kept keys, their biases and their values of one KV head move together by Adam
+to lower the error of the head's output over ``[sink, compacted context]`` on the reference queries.
+
+Why: the closed form (arXiv 2602.16284 §3) keeps the selected keys as they are and fits only a scalar bias per key
+and the values; the paper's own end-to-end alternative ("Cartridges", arXiv 2506.06266) trains the whole cache by
+gradient through the model and costs hours. Moving the keys too, per head, on the same reference queries, costs a
+few matrix products per step and gives the fit ``d`` more parameters per kept entry.
+
+Objective, for reference queries ``Q`` ``[n, d]`` whose attention over the full context has output ``Y`` ``[n, dv]``
+and log-sum-exp ``lse`` ``[n]``, and the sink's keys ``S`` ``[s, d]`` and values ``V_s`` ``[s, dv]`` (kept exact):
+
+    full(q)    = a(q) Y(q) + (1 - a(q)) softmax(scaling q S^T) V_s,   a = sigmoid(lse - logsumexp(scaling q S^T))
+    compact(q) = softmax([scaling q S^T, scaling q K^T + beta]) [V_s; V]
+    loss       = sum_q ||compact(q) - full(q)||^2 / sum_q ||full(q)||^2
+
+Keys and values move in units of their own root-mean-square (``K = K_0 + rms(K_0) dK``), beta in logits; beta is
+clamped to ``am_fit.BETA_RANGE`` widened to the loader's bound after each step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["REFINE_LR", "full_output", "refine_head"]
+
+#: Adam's step size, in units of the keys' and values' own RMS (and in logits for beta).
+REFINE_LR = 0.005
+
+
+def full_output(queries: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, sink_keys: torch.Tensor,
+                sink_values: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``[n, dv]`` float32: the head's output over ``[sink, context]`` for ``queries`` ``[n, d]`` whose attention over
+    the context alone is ``target`` ``[n, dv]`` with log-sum-exp ``lse`` ``[n]`` (module docstring). An empty sink
+    gives ``target``."""
+    if sink_keys.shape[0] == 0:
+        return target.float()
+    logits = (queries.float() @ sink_keys.float().T) * scaling
+    sink_lse = logits.logsumexp(dim=-1)
+    a = torch.sigmoid(lse - sink_lse)[:, None]
+    return a * target.float() + (1 - a) * (logits.softmax(dim=-1) @ sink_values.float())
+
+
+def refine_head(keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
+                full: torch.Tensor, sink_keys: torch.Tensor, sink_values: torch.Tensor, scaling: float, steps: int,
+                lr: float = REFINE_LR, beta_bound: float = 10.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                         float, float]:
+    """``steps`` Adam steps on one head's kept ``keys`` ``[t, d]``, ``beta`` ``[t]`` and ``values`` ``[t, dv]``
+    (module docstring) against ``full`` ``[n, dv]`` (``full_output``) for ``queries`` ``[n, d]``.
+
+    Returns ``(keys, beta, values, loss_before, loss_after)``, the tensors float32 and detached, the losses the
+    relative squared errors before the first step and after the last (the best iterate is returned). Raises nothing
+    of its own."""
+    with torch.inference_mode(False), torch.enable_grad():
+        q = queries.float().clone()
+        ref = full.float().clone()
+        sk, sv = sink_keys.float().clone(), sink_values.float().clone()
+        k0, v0, b0 = keys.float().clone(), values.float().clone(), beta.float().clone()
+        ks = k0.square().mean().sqrt().clamp_min(1e-6)
+        vs = v0.square().mean().sqrt().clamp_min(1e-6)
+        dk = torch.zeros_like(k0, requires_grad=True)
+        dv = torch.zeros_like(v0, requires_grad=True)
+        b = b0.clone().requires_grad_(True)
+        sink_logits = (q @ sk.T) * scaling  # [n, s], fixed
+        norm = ref.square().sum().clamp_min(1e-12)
+        opt = torch.optim.Adam([dk, dv, b], lr=lr)
+
+        def loss_now() -> torch.Tensor:
+            logits = torch.cat([sink_logits, (q @ (k0 + ks * dk).T) * scaling + b], dim=1)
+            out = logits.softmax(dim=-1) @ torch.cat([sv, v0 + vs * dv])
+            return (out - ref).square().sum() / norm
+
+        best = first = None
+        for step in range(steps + 1):
+            opt.zero_grad(set_to_none=True)
+            loss = loss_now()
+            value = float(loss.detach())
+            first = value if first is None else first
+            if best is None or value < best[0]:  # the best iterate (Adam may overshoot on its last steps)
+                best = (value, (k0 + ks * dk).detach().clone(), b.detach().clone(), (v0 + vs * dv).detach().clone())
+            if step == steps:
+                break
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                b.clamp_(-beta_bound, beta_bound)
+        return best[1], best[2], best[3], first, best[0]
