@@ -54,7 +54,7 @@ VARIANTS = ("kvzip", "am", "am[values=copy]", "am[values=merge]")  # method spec
 #: one scoring pass and its reference queries (``packs_for``).
 FIT_SIDE = frozenset({"budgets", "max_head_ratio", "schedule", "recent", "selection", "values", "queries_per_entry",
                       "held_out_check", "shift", "value_bound", "ridge", "ridge_to", "weights",
-                      "refine_steps"})
+                      "refine_steps", "refine_batch"})
 #: KVzip parameters read only by its selection: a kvzip variant with any other parameter scores on its own.
 KVZIP_SELECT_SIDE = frozenset({"max_head_ratio"})
 

@@ -668,7 +668,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         target, lse = context if context is not None else context_attention(queries, k_ctx, v_ctx, scaling)
         full = full_output(queries, target, lse, keys[:sink], values[:sink], scaling)
         rk, rb, rv, _, _ = refine_head(k_ctx[kept], beta, new_values.to(keys.device), queries, full, keys[:sink],
-                                       values[:sink], scaling, self.refine_steps)
+                                       values[:sink], scaling, self.refine_steps, batch=self.refine_batch)
         if not bool(torch.isfinite(rk).all() and torch.isfinite(rv).all()) or \
                 float(rv.abs().max()) > C.MAX_KV_ABS or float(rk.abs().max()) > C.MAX_KV_ABS:
             return None

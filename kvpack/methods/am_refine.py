@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["REFINE_LR", "full_output", "refine_head"]
+__all__ = ["REFINE_LR", "BETA_BOUND", "full_output", "refine_head"]
 
 #: Adam's step size, in units of the keys' and values' own RMS (and in logits for beta).
 REFINE_LR = 0.005
+#: beta stays within +-this after each step (the loader's bound, ``kvpack.constants.MAX_ATTN_BIAS``, is 30).
+BETA_BOUND = 10.0
 
 
 def full_output(queries: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, sink_keys: torch.Tensor,
@@ -43,14 +45,16 @@ def full_output(queries: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, 
 
 def refine_head(keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
                 full: torch.Tensor, sink_keys: torch.Tensor, sink_values: torch.Tensor, scaling: float, steps: int,
-                lr: float = REFINE_LR, beta_bound: float = 10.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                         float, float]:
+                lr: float = REFINE_LR, batch: int = 0, seed: int = 0, beta_bound: float = BETA_BOUND
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float]:
     """``steps`` Adam steps on one head's kept ``keys`` ``[t, d]``, ``beta`` ``[t]`` and ``values`` ``[t, dv]``
     (module docstring) against ``full`` ``[n, dv]`` (``full_output``) for ``queries`` ``[n, d]``.
 
-    Returns ``(keys, beta, values, loss_before, loss_after)``, the tensors float32 and detached, the losses the
-    relative squared errors before the first step and after the last (the best iterate is returned). Raises nothing
-    of its own."""
+    ``batch``: each step's queries, a fresh slice of a permutation of the ``n`` (drawn from ``seed``), when ``0 <
+    batch < n``; else every query each step. Returns ``(keys, beta, values, loss_before, loss_after)``: the tensors
+    float32 and detached, the losses the relative squared errors over all ``n`` queries of the start and of the
+    returned iterate (the best measured: with all queries each step, the best step's; with batches, the last step's
+    or the start's, whichever is lower). Raises nothing of its own."""
     with torch.inference_mode(False), torch.enable_grad():
         q = queries.float().clone()
         ref = full.float().clone()
@@ -62,26 +66,39 @@ def refine_head(keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor, qu
         dv = torch.zeros_like(v0, requires_grad=True)
         b = b0.clone().requires_grad_(True)
         sink_logits = (q @ sk.T) * scaling  # [n, s], fixed
-        norm = ref.square().sum().clamp_min(1e-12)
         opt = torch.optim.Adam([dk, dv, b], lr=lr)
+        n = q.shape[0]
+        batched = 0 < batch < n
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)) if batched else None
 
-        def loss_now() -> torch.Tensor:
-            logits = torch.cat([sink_logits, (q @ (k0 + ks * dk).T) * scaling + b], dim=1)
+        def loss_on(rows: torch.Tensor | None) -> torch.Tensor:
+            qq, rr, sl = (q, ref, sink_logits) if rows is None else (q[rows], ref[rows], sink_logits[rows])
+            logits = torch.cat([sl, (qq @ (k0 + ks * dk).T) * scaling + b], dim=1)
             out = logits.softmax(dim=-1) @ torch.cat([sv, v0 + vs * dv])
-            return (out - ref).square().sum() / norm
+            return (out - rr).square().sum() / rr.square().sum().clamp_min(1e-12)
 
-        best = first = None
-        for step in range(steps + 1):
+        def snapshot(value: float):
+            return value, (k0 + ks * dk).detach().clone(), b.detach().clone(), (v0 + vs * dv).detach().clone()
+
+        with torch.no_grad():
+            best = snapshot(float(loss_on(None)))
+        first = best[0]
+        for step in range(steps):
             opt.zero_grad(set_to_none=True)
-            loss = loss_now()
-            value = float(loss.detach())
-            first = value if first is None else first
-            if best is None or value < best[0]:  # the best iterate (Adam may overshoot on its last steps)
-                best = (value, (k0 + ks * dk).detach().clone(), b.detach().clone(), (v0 + vs * dv).detach().clone())
-            if step == steps:
-                break
+            if batched:
+                at = (step * batch) % n
+                rows = order[at : at + batch]
+                loss = loss_on(rows)
+            else:
+                loss = loss_on(None)
+                if step and float(loss.detach()) < best[0]:  # the iterate the last step made
+                    best = snapshot(float(loss.detach()))
             loss.backward()
             opt.step()
             with torch.no_grad():
                 b.clamp_(-beta_bound, beta_bound)
+        with torch.no_grad():
+            last = float(loss_on(None))
+        if last < best[0]:
+            best = snapshot(last)
         return best[1], best[2], best[3], first, best[0]

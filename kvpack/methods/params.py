@@ -56,6 +56,8 @@ BUDGETS = ("global", "global-capped", "uniform", "schedule")
 SCORE_QUERIES = ("repeat", "reference")
 #: Most reference queries per KV head (the paper fits with up to 50,000).
 MAX_QUERIES = 50_000
+#: Most ``--refine-steps`` (Attention Matching's gradient refinement).
+MAX_REFINE_STEPS = 10_000
 #: Largest self-study sampling temperature accepted (above it the answers are noise) and largest seed (the
 #: generators' seeds, ``seed * 1,000,003 + prompt``, stay within a 64-bit integer).
 MAX_TEMPERATURE, MAX_SEED = 100.0, 2**32 - 1
@@ -230,7 +232,7 @@ class AttentionMatchingParams(KVzipParams):
                                                "queries_per_entry": 2.0, "self_study_tokens": 64,
                                                # the defaults until issue 28's twenty-ninth session
                                                "self_study_temperature": 0.0, "self_study_samples": 1,
-                                               "refine_steps": 0}
+                                               "refine_steps": 0, "refine_batch": 0}
     max_head_ratio: float = option(0.75, "most of a KV head's own context entries it may keep with --budgets "
                                          "global-capped or schedule (the paper's --max-ratio-per-head)",
                                    low=0.0, high=1.0)
@@ -297,7 +299,9 @@ class AttentionMatchingParams(KVzipParams):
     refine_steps: int = option(0, "Adam steps that move each fitted head's kept keys, biases and values together "
                                   "toward the full context's output on the reference queries, kept only where "
                                   "the validation queries agree (0: the closed form alone; kvpack's, not the "
-                                  "paper's)", low=0, high=10000)
+                                  "paper's)", low=0, high=MAX_REFINE_STEPS)
+    refine_batch: int = option(0, "reference queries per --refine-steps step, a fresh slice of a fixed "
+                                  "permutation each step (0: all of them every step)", low=0, high=MAX_QUERIES)
     weights: str = option("uniform", "how the fit weighs each reference query: alike (the paper's), or by the share "
                                      "of its attention on the context rather than the attention sink (kvpack's)",
                           flag="--fit-weights", choices=FIT_WEIGHTS)
@@ -314,6 +318,12 @@ class AttentionMatchingParams(KVzipParams):
         if params.get("ridge_search") is True and params.get("values") == "fit":
             for k in ("value_bound", "held_out_check", "ridge", "ridge_to"):
                 out[k] = "--ridge-search chooses each head's fit on validation queries instead"
+        if params.get("refine_steps") and not (params.get("ridge_search") is True and params.get("values") == "fit"):
+            why = ("it refines the candidate --ridge-search chooses, kept only where the validation queries agree: "
+                   "it needs --ridge-search and --values fit")
+            out["refine_steps"] = out["refine_batch"] = why
+        elif not params.get("refine_steps"):
+            out["refine_batch"] = "it applies only to --refine-steps"
         if params.get("reference") not in ("self-study", "self-study+repeat"):
             for k in ("self_study_tokens", "self_study_temperature", "self_study_seed", "self_study_samples"):
                 out[k] = "it applies only to --reference self-study and self-study+repeat"
@@ -356,6 +366,10 @@ class AttentionMatchingParams(KVzipParams):
         check_choice(self.name, "weights", self.weights, FIT_WEIGHTS)
         check_bool(self.name, "ridge_search", self.ridge_search)
         check_int(self.name, "refine_steps", self.refine_steps, 0)
+        check_int(self.name, "refine_batch", self.refine_batch, 0)
+        if self.refine_steps > MAX_REFINE_STEPS or self.refine_batch > MAX_QUERIES:
+            raise InputError(f"am: refine_steps (--refine-steps) must be <= {MAX_REFINE_STEPS} and refine_batch "
+                             f"(--refine-batch) <= {MAX_QUERIES}, got {self.refine_steps!r} and {self.refine_batch!r}")
         check_choice(self.name, "values", self.values, VALUE_MODES)
         check_int(self.name, "queries", self.queries, 16)
         check_float(self.name, "queries_per_entry", self.queries_per_entry, 1.0, 1e6)

@@ -1,0 +1,77 @@
+"""Attention Matching's gradient refinement (``--refine-steps``, ``kvpack.methods.am_refine``): the objective against
+attention computed directly, Adam lowering it by moving the keys, and the refined heads of a built pack (validated,
+their keys stored, the rest as prefilled)."""
+
+from __future__ import annotations
+
+import torch
+
+import kvpack
+from kvpack.methods.am_fit import context_attention, fit_head
+from kvpack.methods.am_refine import full_output, refine_head
+
+from .tiny import TEXT, tiny_model
+
+
+def _head(seed: int, T: int = 64, d: int = 8, sink: int = 2, n: int = 600):
+    gen = torch.Generator().manual_seed(seed)
+    K, V = torch.randn(T, d, generator=gen) * 2, torch.randn(T, d, generator=gen)
+    return K, V, torch.randn(n, d, generator=gen) * 2, sink
+
+
+def test_full_output_is_attention_over_the_sink_and_the_context():
+    K, V, Q, sink = _head(1)
+    scaling = 8 ** -0.5
+    target, lse = context_attention(Q, K[sink:], V[sink:], scaling)
+    got = full_output(Q, target, lse, K[:sink], V[:sink], scaling)
+    torch.testing.assert_close(got, ((Q @ K.T) * scaling).softmax(-1) @ V, rtol=1e-5, atol=1e-5)
+    assert torch.equal(full_output(Q, target, lse, K[:0], V[:0], scaling), target)
+
+
+def _loss(Q, K, V, sink, kept_keys, beta, values, scaling):
+    full = ((Q @ K.T) * scaling).softmax(-1) @ V
+    logits = torch.cat([(Q @ K[:sink].T) * scaling, (Q @ kept_keys.T) * scaling + beta], dim=1)
+    out = logits.softmax(-1) @ torch.cat([V[:sink], values])
+    return float((out - full).square().sum() / full.square().sum())
+
+
+def test_refine_starts_from_the_fit_and_lowers_the_loss_by_moving_the_keys():
+    K, V, Q, sink = _head(2)
+    scaling = 8 ** -0.5
+    kept = torch.arange(0, K.shape[0] - sink, 8)
+    fit = fit_head(K[sink:], V[sink:], Q, kept, scaling)
+    target, lse = context_attention(Q, K[sink:], V[sink:], scaling)
+    full = full_output(Q, target, lse, K[:sink], V[:sink], scaling)
+    start = _loss(Q, K, V, sink, K[sink + kept], fit.beta, fit.values, scaling)
+    k0, b0, v0, before, after = refine_head(K[sink + kept], fit.beta, fit.values, Q, full, K[:sink], V[:sink],
+                                            scaling, steps=0)
+    assert torch.equal(k0, K[sink + kept]) and torch.equal(b0, fit.beta) and torch.equal(v0, fit.values)
+    assert before == after and abs(before - start) < 1e-5
+    k, b, v, before, after = refine_head(K[sink + kept], fit.beta, fit.values, Q, full, K[:sink], V[:sink], scaling,
+                                         steps=60, lr=0.02)
+    assert after < 0.8 * before  # the closed form is not the optimum once the keys may move
+    assert abs(after - _loss(Q, K, V, sink, k, b, v, scaling)) < 1e-5  # the returned iterate is the one measured
+    assert not torch.equal(k, K[sink + kept]) and bool(b.abs().max() <= 10)
+
+
+def test_refined_heads_of_a_pack_are_validated_and_store_their_keys(tmp_path):
+    model, tok = tiny_model("llama")
+    kw = dict(kv_dtype="float32", method="am", ratio=0.3, chunk_size=40, ridge_search=True)
+    plain = kvpack.compress(model, tok, TEXT, **kw)
+    refined = kvpack.compress(model, tok, TEXT, refine_steps=40, **kw)
+    fit = refined.metadata["stats"]["fit"]
+    chosen = fit["ridge_search"]
+    assert sum(chosen.values()) == sum(plain.metadata["stats"]["fit"]["ridge_search"].values())
+    assert chosen.get("refined", 0) > 0
+    assert refined.metadata["method_params"]["refine_steps"] == 40
+    moved = 0
+    for a, b in zip(plain.layers, refined.layers):  # same entries (positions); keys differ only where refined
+        assert torch.equal(a.positions, b.positions) and torch.equal(a.head_lengths, b.head_lengths)
+        off = a.head_offsets().tolist()
+        for h in range(len(a.head_lengths)):
+            moved += int(not torch.equal(a.keys[off[h]:off[h + 1]], b.keys[off[h]:off[h + 1]]))
+    assert moved == chosen["refined"]
+    path = tmp_path / "r.kvpack"
+    kvpack.save(refined, path)
+    cache = kvpack.load(path, model, tokenizer=tok)
+    assert isinstance(kvpack.generate(model, tok, cache, "Who?", max_new_tokens=4), str)
