@@ -75,3 +75,20 @@ def test_refined_heads_of_a_pack_are_validated_and_store_their_keys(tmp_path):
     kvpack.save(refined, path)
     cache = kvpack.load(path, model, tokenizer=tok)
     assert isinstance(kvpack.generate(model, tok, cache, "Who?", max_new_tokens=4), str)
+
+
+def test_refine_in_batches_is_deterministic_and_unmeasured_on_request():
+    K, V, Q, sink = _head(3)
+    scaling = 8 ** -0.5
+    kept = torch.arange(0, K.shape[0] - sink, 8)
+    fit = fit_head(K[sink:], V[sink:], Q, kept, scaling)
+    target, lse = context_attention(Q, K[sink:], V[sink:], scaling)
+    full = full_output(Q, target, lse, K[:sink], V[:sink], scaling)
+    args = (K[sink + kept], fit.beta, fit.values, Q, full, K[:sink], V[:sink], scaling, 40)
+    a = refine_head(*args, lr=0.02, batch=128)
+    b = refine_head(*args, lr=0.02, batch=128, measure=False)
+    assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3]))  # same steps, the last iterate either way
+    assert a[4] < a[3] and abs(a[4] - _loss(Q, K, V, sink, *a[:3], scaling)) < 1e-5
+    assert b[3] != b[3] and b[4] != b[4]  # NaN: not measured
+    c = refine_head(*args, lr=0.02, batch=128, seed=1)
+    assert not torch.equal(c[0], a[0])  # another permutation, other steps

@@ -285,6 +285,14 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             the validation replaces ``value_bound`` and ``held_out_check``, and ``ridge``/``ridge_to`` are unused);
             the choices are counted in ``stats["fit"]["ridge_search"]``; default true (BENCHMARKS.md, "Issue 28,
             twenty-sixth session").
+        refine_steps: Adam steps (default 0: off) that move each validated head's kept keys, biases and values
+            together from ``ridge_search``'s chosen candidate toward the full context's output over ``[sink,
+            context]`` on the fit queries (``kvpack.methods.am_refine``; kvpack's, not the paper's, which keeps the
+            selected keys as they are); the refined head is kept only where its error on the validation queries is
+            lower than the chosen candidate's, and counted as ``refined`` in ``stats["fit"]["ridge_search"]``. Needs
+            ``ridge_search`` and ``values="fit"``.
+        refine_batch: reference queries per refinement step, a fresh slice of a fixed permutation each step
+            (default 1,024; 0: all of them every step).
         weights: ``"uniform"`` (default, the paper's) or ``"share"``: each reference query's rows of the fit
             weighted by the share of its attention over ``[sink, context]`` that falls on the context
             (``am_fit.context_share``; kvpack's), so queries resting on the attention sink no longer drive it.
@@ -668,7 +676,8 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         target, lse = context if context is not None else context_attention(queries, k_ctx, v_ctx, scaling)
         full = full_output(queries, target, lse, keys[:sink], values[:sink], scaling)
         rk, rb, rv, _, _ = refine_head(k_ctx[kept], beta, new_values.to(keys.device), queries, full, keys[:sink],
-                                       values[:sink], scaling, self.refine_steps, batch=self.refine_batch)
+                                       values[:sink], scaling, self.refine_steps, batch=self.refine_batch,
+                                       measure=False)
         if not bool(torch.isfinite(rk).all() and torch.isfinite(rv).all()) or \
                 float(rv.abs().max()) > C.MAX_KV_ABS or float(rk.abs().max()) > C.MAX_KV_ABS:
             return None

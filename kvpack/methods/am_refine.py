@@ -45,8 +45,8 @@ def full_output(queries: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, 
 
 def refine_head(keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
                 full: torch.Tensor, sink_keys: torch.Tensor, sink_values: torch.Tensor, scaling: float, steps: int,
-                lr: float = REFINE_LR, batch: int = 0, seed: int = 0, beta_bound: float = BETA_BOUND
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float]:
+                lr: float = REFINE_LR, batch: int = 0, seed: int = 0, beta_bound: float = BETA_BOUND,
+                measure: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float]:
     """``steps`` Adam steps on one head's kept ``keys`` ``[t, d]``, ``beta`` ``[t]`` and ``values`` ``[t, dv]``
     (module docstring) against ``full`` ``[n, dv]`` (``full_output``) for ``queries`` ``[n, d]``.
 
@@ -54,7 +54,9 @@ def refine_head(keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor, qu
     batch < n``; else every query each step. Returns ``(keys, beta, values, loss_before, loss_after)``: the tensors
     float32 and detached, the losses the relative squared errors over all ``n`` queries of the start and of the
     returned iterate (the best measured: with all queries each step, the best step's; with batches, the last step's
-    or the start's, whichever is lower). Raises nothing of its own."""
+    or the start's, whichever is lower). With batches and ``measure=False`` the last step's iterate is returned
+    unmeasured (both losses NaN), which saves two passes over all ``n`` queries: ``AttentionMatching`` validates it
+    on other queries anyway. Raises nothing of its own."""
     with torch.inference_mode(False), torch.enable_grad():
         q = queries.float().clone()
         ref = full.float().clone()
@@ -80,8 +82,11 @@ def refine_head(keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor, qu
         def snapshot(value: float):
             return value, (k0 + ks * dk).detach().clone(), b.detach().clone(), (v0 + vs * dv).detach().clone()
 
-        with torch.no_grad():
-            best = snapshot(float(loss_on(None)))
+        if batched and not measure:
+            best = (float("nan"), k0, b0, v0)
+        else:
+            with torch.no_grad():
+                best = snapshot(float(loss_on(None)))
         first = best[0]
         for step in range(steps):
             opt.zero_grad(set_to_none=True)
@@ -97,6 +102,8 @@ def refine_head(keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor, qu
             opt.step()
             with torch.no_grad():
                 b.clamp_(-beta_bound, beta_bound)
+        if batched and not measure:
+            return *snapshot(float("nan"))[1:], first, float("nan")
         with torch.no_grad():
             last = float(loss_on(None))
         if last < best[0]:

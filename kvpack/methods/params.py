@@ -300,7 +300,7 @@ class AttentionMatchingParams(KVzipParams):
                                   "toward the full context's output on the reference queries, kept only where "
                                   "the validation queries agree (0: the closed form alone; kvpack's, not the "
                                   "paper's)", low=0, high=MAX_REFINE_STEPS)
-    refine_batch: int = option(0, "reference queries per --refine-steps step, a fresh slice of a fixed "
+    refine_batch: int = option(1024, "reference queries per --refine-steps step, a fresh slice of a fixed "
                                   "permutation each step (0: all of them every step)", low=0, high=MAX_QUERIES)
     weights: str = option("uniform", "how the fit weighs each reference query: alike (the paper's), or by the share "
                                      "of its attention on the context rather than the attention sink (kvpack's)",
