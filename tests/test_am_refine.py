@@ -92,3 +92,22 @@ def test_refine_in_batches_is_deterministic_and_unmeasured_on_request():
     assert b[3] != b[3] and b[4] != b[4]  # NaN: not measured
     c = refine_head(*args, lr=0.02, batch=128, seed=1)
     assert not torch.equal(c[0], a[0])  # another permutation, other steps
+
+
+def test_refined_beta_stays_in_its_box_widened_to_its_start():
+    """beta is clamped to +-BETA_BOUND after each step, or to its starting range where that is wider (AM-OMP's
+    clamped weights start down to log 1e-12), never beyond what the loader accepts."""
+    from kvpack.constants import MAX_ATTN_BIAS
+    from kvpack.methods.am_refine import BETA_BOUND
+
+    K, V, Q, sink = _head(4)
+    scaling = 8 ** -0.5
+    kept = torch.arange(0, K.shape[0] - sink, 8)
+    target, lse = context_attention(Q, K[sink:], V[sink:], scaling)
+    full = full_output(Q, target, lse, K[:sink], V[:sink], scaling)
+    start = torch.zeros(len(kept))
+    start[0] = -27.0
+    _, b, _, _, _ = refine_head(K[sink + kept], start, V[sink + kept], Q, full, K[:sink], V[:sink], scaling, steps=50,
+                                lr=0.5)
+    assert float(b.min()) >= -27.0 and float(b.max()) <= BETA_BOUND < MAX_ATTN_BIAS
+    assert float(b[1:].min()) < 0 or float(b[1:].max()) > 0  # the others moved

@@ -232,7 +232,8 @@ class AttentionMatchingParams(KVzipParams):
                                                "queries_per_entry": 2.0, "self_study_tokens": 64,
                                                # the defaults until issue 28's twenty-ninth session
                                                "self_study_temperature": 0.0, "self_study_samples": 1,
-                                               "refine_steps": 0, "refine_batch": 0}
+                                               # no refinement before issue 28's thirty-first session
+                                               "refine_steps": 0}
     max_head_ratio: float = option(0.75, "most of a KV head's own context entries it may keep with --budgets "
                                          "global-capped or schedule (the paper's --max-ratio-per-head)",
                                    low=0.0, high=1.0)
