@@ -28,6 +28,19 @@ def test_full_output_is_attention_over_the_sink_and_the_context():
     assert torch.equal(full_output(Q, target, lse, K[:0], V[:0], scaling), target)
 
 
+SCALING = 8 ** -0.5
+
+
+def _fitted(seed: int):
+    """A random head (``_head``), every eighth context entry kept and fitted by the closed form, and the full
+    output over [sink, context] the refinement aims at: ``(K, V, Q, sink, kept, fit, full)``."""
+    K, V, Q, sink = _head(seed)
+    kept = torch.arange(0, K.shape[0] - sink, 8)
+    fit = fit_head(K[sink:], V[sink:], Q, kept, SCALING)
+    target, lse = context_attention(Q, K[sink:], V[sink:], SCALING)
+    return K, V, Q, sink, kept, fit, full_output(Q, target, lse, K[:sink], V[:sink], SCALING)
+
+
 def _loss(Q, K, V, sink, kept_keys, beta, values, scaling):
     full = ((Q @ K.T) * scaling).softmax(-1) @ V
     logits = torch.cat([(Q @ K[:sink].T) * scaling, (Q @ kept_keys.T) * scaling + beta], dim=1)
@@ -36,12 +49,8 @@ def _loss(Q, K, V, sink, kept_keys, beta, values, scaling):
 
 
 def test_refine_starts_from_the_fit_and_lowers_the_loss_by_moving_the_keys():
-    K, V, Q, sink = _head(2)
-    scaling = 8 ** -0.5
-    kept = torch.arange(0, K.shape[0] - sink, 8)
-    fit = fit_head(K[sink:], V[sink:], Q, kept, scaling)
-    target, lse = context_attention(Q, K[sink:], V[sink:], scaling)
-    full = full_output(Q, target, lse, K[:sink], V[:sink], scaling)
+    K, V, Q, sink, kept, fit, full = _fitted(2)
+    scaling = SCALING
     start = _loss(Q, K, V, sink, K[sink + kept], fit.beta, fit.values, scaling)
     k0, b0, v0, before, after = refine_head(K[sink + kept], fit.beta, fit.values, Q, full, K[:sink], V[:sink],
                                             scaling, steps=0)
@@ -78,12 +87,8 @@ def test_refined_heads_of_a_pack_are_validated_and_store_their_keys(tmp_path):
 
 
 def test_refine_in_batches_is_deterministic_and_unmeasured_on_request():
-    K, V, Q, sink = _head(3)
-    scaling = 8 ** -0.5
-    kept = torch.arange(0, K.shape[0] - sink, 8)
-    fit = fit_head(K[sink:], V[sink:], Q, kept, scaling)
-    target, lse = context_attention(Q, K[sink:], V[sink:], scaling)
-    full = full_output(Q, target, lse, K[:sink], V[:sink], scaling)
+    K, V, Q, sink, kept, fit, full = _fitted(3)
+    scaling = SCALING
     args = (K[sink + kept], fit.beta, fit.values, Q, full, K[:sink], V[:sink], scaling, 40)
     a = refine_head(*args, lr=0.02, batch=128)
     b = refine_head(*args, lr=0.02, batch=128, measure=False)
@@ -100,11 +105,8 @@ def test_refined_beta_stays_in_its_box_widened_to_its_start():
     from kvpack.constants import MAX_ATTN_BIAS
     from kvpack.methods.am_refine import BETA_BOUND
 
-    K, V, Q, sink = _head(4)
-    scaling = 8 ** -0.5
-    kept = torch.arange(0, K.shape[0] - sink, 8)
-    target, lse = context_attention(Q, K[sink:], V[sink:], scaling)
-    full = full_output(Q, target, lse, K[:sink], V[:sink], scaling)
+    K, V, Q, sink, kept, _, full = _fitted(4)
+    scaling = SCALING
     start = torch.zeros(len(kept))
     start[0] = -27.0
     _, b, _, _, _ = refine_head(K[sink + kept], start, V[sink + kept], Q, full, K[:sink], V[:sink], scaling, steps=50,

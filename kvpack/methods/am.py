@@ -15,7 +15,7 @@ from ..pack import LayerEntries
 from ..prefill import Prefill
 from ..stats import ContextAttention
 from .am_fit import attention_output, context_attention, fit_head, max_attention, relative_error, rms_attention
-from .am_validate import TAIL_TOKENS, choose_fit
+from .am_validate import TAIL_TOKENS, causal_output, choose_fit
 from .base import top_k_rows
 from .budgets import protect_recent, split
 from .d2o import D2O, merge_plan, merge_rows
@@ -592,6 +592,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         biases = torch.zeros(entries.num_entries, dtype=torch.float32)
         keys = prefill.keys[l].float()  # [kv_heads, tokens, d], sink first
         values = prefill.values[l].float()
+        positions = prefill.positions[l].to(keys.device)  # [tokens], the validation's causal mask
         err, base, ms = [], [], []
         # ridge search: choose_fit compares the candidates (the copied values among them) on the validation
         # queries, which stands in for fit_head's residual check
@@ -613,14 +614,16 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             new_values, beta = fit.values, fit.beta
             if fit.design is not None:  # ridge_search: the candidate best on the validation queries
                 vq, vpos, vscale = self._validation_queries(prefill, i, h)
+                vq, vpos = vq.to(keys.device), vpos.to(keys.device)
+                # the validation queries' output over the whole prefill, for choose_fit and the refinement alike
+                want = causal_output(vq, vpos, keys[h], positions, values[h], vscale)
                 name, beta, new_values, verrors = choose_fit(
-                    keys[h], values[h], prefill.positions[l].to(keys.device), sink, kept, fit.beta,
-                    *fit.design, vq.to(keys.device), vpos.to(keys.device), vscale, C.MAX_KV_ABS, normal=fit.normal,
+                    keys[h], values[h], positions, sink, kept, fit.beta, *fit.design, vq, vpos, vscale,
+                    C.MAX_KV_ABS, normal=fit.normal, full=want,
                     plain=fit.values if self.ridge == 0 else None)  # fit_head solved the ridge-0 values already
                 if self.refine_steps > 0:  # gradient steps from the chosen candidate, kept if validated better
-                    got = self._refine(keys[h], values[h], prefill.positions[l].to(keys.device), sink, kept, beta,
-                                       new_values, fit_q[h], scaling, context, vq.to(keys.device),
-                                       vpos.to(keys.device), vscale, verrors[name])
+                    got = self._refine(keys[h], values[h], positions, sink, kept, beta, new_values, fit_q[h],
+                                       scaling, context, vq, vpos, vscale, want, verrors[name])
                     if got is not None:
                         name, (new_keys, beta, new_values) = "refined", got
                 tally.chosen[name] = tally.chosen.get(name, 0) + 1
@@ -662,15 +665,15 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     def _refine(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, sink: int,
                 kept: torch.Tensor, beta: torch.Tensor, new_values: torch.Tensor, queries: torch.Tensor, scaling: float,
                 context: tuple[torch.Tensor, torch.Tensor] | None, vq: torch.Tensor, vpos: torch.Tensor, vscale: float,
-                chosen_error: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                want: torch.Tensor, chosen_error: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """One head's ``refine_steps`` Adam steps (``am_refine.refine_head``) from the candidate ``choose_fit`` chose
         (``beta`` ``[t]``, ``new_values`` ``[t, dv]``) on the fit ``queries`` ``[n, d]``: the refined ``(keys [t, d],
         beta [t], values [t, dv])`` when their error on the validation queries ``vq`` (at ``vpos``) is below the
         chosen candidate's ``chosen_error`` and every key and value is within the loader's bound, else ``None``.
         ``keys``, ``values``: ``[tokens, d]`` with the sink first; ``context``: the fit queries' ``(output, lse)``
-        over the context when the RMS selection computed them, else computed here."""
+        over the context when the RMS selection computed them, else computed here; ``want``: ``[m, dv]`` the
+        validation queries' output over the whole prefill (``am_validate.causal_output``)."""
         from .am_refine import full_output, refine_head
-        from .am_validate import causal_output
 
         k_ctx, v_ctx = keys[sink:], values[sink:]
         target, lse = context if context is not None else context_attention(queries, k_ctx, v_ctx, scaling)
@@ -682,7 +685,6 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                 float(rv.abs().max()) > C.MAX_KV_ABS or float(rk.abs().max()) > C.MAX_KV_ABS:
             return None
         rows = torch.cat([torch.arange(sink, device=keys.device), sink + kept])
-        want = causal_output(vq, vpos, keys, positions, values, vscale)
         got = causal_output(vq, vpos, torch.cat([keys[:sink], rk]), positions[rows], torch.cat([values[:sink], rv]),
                             vscale, bias=torch.cat([torch.zeros(sink, device=keys.device), rb]))
         return (rk, rb, rv) if relative_error(want, got) < chosen_error else None

@@ -51,7 +51,8 @@ def causal_output(queries: torch.Tensor, query_pos: torch.Tensor, keys: torch.Te
 def choose_fit(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, sink: int, kept: torch.Tensor,
                beta: torch.Tensor, X: torch.Tensor, Y: torch.Tensor, queries: torch.Tensor, query_pos: torch.Tensor,
                scaling: float, limit: float = float("inf"), normal: tuple[torch.Tensor, torch.Tensor] | None = None,
-               plain: torch.Tensor | None = None) -> tuple[str, torch.Tensor, torch.Tensor, dict[str, float]]:
+               plain: torch.Tensor | None = None, full: torch.Tensor | None = None
+               ) -> tuple[str, torch.Tensor, torch.Tensor, dict[str, float]]:
     """The candidate (module docstring) with the lowest validation error for one KV head.
 
     Args:
@@ -64,11 +65,14 @@ def choose_fit(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
             here once for every ridge.
         plain: ``[t, dv]`` the ridge-0 candidate when the caller solved it already (``fit_head`` with ``ridge=0``:
             ``least_squares(X, Y, fallback=values[sink + kept])``), else solved here.
+        full: ``[m, dv]`` the validation queries' output over the whole prefill (``causal_output`` over ``keys``,
+            ``values``) when the caller has it, else computed here.
 
     Returns:
         ``(name, beta [t], values [t, dv], {candidate: error})``. Raises nothing of its own.
     """
-    full = causal_output(queries, query_pos, keys, positions, values, scaling)
+    if full is None:
+        full = causal_output(queries, query_pos, keys, positions, values, scaling)
     rows = torch.cat([torch.arange(sink, device=keys.device), sink + kept])
     copied = values[sink + kept]
     # every candidate attends over the same [sink, kept] keys, with beta = 0 (selection) or the fitted beta (the
