@@ -39,8 +39,10 @@ BETA_BOUND = 10.0
 def full_output(queries: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, sink_keys: torch.Tensor,
                 sink_values: torch.Tensor, scaling: float) -> torch.Tensor:
     """``[n, dv]`` float32: the head's output over ``[sink, context]`` for ``queries`` ``[n, d]`` whose attention over
-    the context alone is ``target`` ``[n, dv]`` with log-sum-exp ``lse`` ``[n]`` (module docstring). An empty sink
-    gives ``target``."""
+    the context alone is ``target`` ``[n, dv]`` with log-sum-exp ``lse`` ``[n]`` (module docstring; the split of
+    attention over two blocks by their masses, as arXiv 2602.16284 §3.1 matches them), the sink's keys ``[s, d]``
+    and values ``[s, dv]``, and the model's attention ``scaling``. An empty sink gives ``target``. Raises nothing
+    beyond torch's errors for mismatched shapes."""
     if sink_keys.shape[0] == 0:
         return target.float()
     logits = (queries.float() @ sink_keys.float().T) * scaling
@@ -54,7 +56,9 @@ def refine_head(keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor, qu
                 lr: float = REFINE_LR, batch: int = 0, seed: int = 0, beta_bound: float = BETA_BOUND,
                 measure: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float]:
     """``steps`` Adam steps on one head's kept ``keys`` ``[t, d]``, ``beta`` ``[t]`` and ``values`` ``[t, dv]``
-    (module docstring) against ``full`` ``[n, dv]`` (``full_output``) for ``queries`` ``[n, d]``.
+    (module docstring: kvpack's refinement of the closed form of arXiv 2602.16284 §3) against ``full`` ``[n, dv]``
+    (``full_output``) for ``queries`` ``[n, d]``, with the sink's ``sink_keys`` ``[s, d]`` and ``sink_values``
+    ``[s, dv]`` held fixed; ``lr`` in units of the keys' and values' RMS (logits for beta).
 
     ``batch``: each step's queries, a fresh slice of a permutation of the ``n`` (drawn from ``seed``), when ``0 <
     batch < n``; else every query each step. Returns ``(keys, beta, values, loss_before, loss_after)``: the tensors
