@@ -859,7 +859,8 @@ def test_sink_stays_exact():
 def test_bad_options_are_input_errors():
     for bad in (dict(values="lsq"), dict(selection="mean"), dict(queries=3), dict(on_policy="yes"), dict(shift="mean"),
                 dict(ridge=0.1, ridge_to="mean"), dict(ridge=2.0), dict(weights="query"), dict(refine_steps=-1),
-                dict(refine_steps=10_001), dict(refine_batch=-1), dict(refine_batch=1.5)):
+                dict(refine_steps=10_001), dict(refine_batch=-1), dict(refine_batch=1.5), dict(head_floor=-0.5),
+                dict(head_floor=2.0)):
         with pytest.raises(InputError):
             get_method("am", **bad)
     with pytest.raises(InputError, match="give --ridge too"):  # a ridge target without a ridge would do nothing

@@ -16,7 +16,8 @@ from kvpack.methods import get_method
 from kvpack.methods.am_fit import context_attention, nnls_box, BETA_RANGE
 from kvpack.methods.am_omp import omp_select
 from kvpack.methods.base import select_global
-from kvpack.methods.budgets import cap_entries, capped_top_k, protect_recent, scheduled_split, uniform_split
+from kvpack.methods.budgets import (cap_entries, capped_top_k, floor_entries, protect_recent, scheduled_split,
+                                    uniform_split)
 from kvpack.methods.params import PARAMS
 from kvpack.model import model_spec
 from kvpack.prefill import prefill
@@ -88,6 +89,40 @@ def test_scheduled_split_follows_the_fractions_under_the_cap():
     assert counts[0, 1:].tolist() == [11, 11] and counts[1, :2].tolist() == [11, 11]
     with pytest.raises(ValueError, match="shape"):
         scheduled_split(s, 64, torch.ones(3, 2))
+
+
+def test_head_floor_gives_every_head_its_share_first_and_the_rest_by_global_top_k():
+    s = _skewed()  # head (0, 0) outranks everything: the plain global top-k of 60 gives it 40, the others 20
+    assert int(capped_top_k(s, 60, 1.0)[0, 0].sum()) == 40
+    assert floor_entries(0.5, 40, 60, 6) == 5  # half the even share of 10
+    keep = capped_top_k(s, 60, 1.0, floor=0.5)
+    counts = keep.sum(dim=2)
+    assert int(counts.sum()) == 60 and int(counts.min()) >= 5
+    # each head's floor is its own top 5; the remaining 30 go by score over everything else: all to head (0, 0)
+    for l, h in itertools.product(range(2), range(3)):
+        top5 = s[l, h].sort(descending=True, stable=True).indices[:5]
+        assert bool(keep[l, h, top5].all())
+    assert int(counts[0, 0]) == 35 and counts.flatten().tolist()[1:] == [5] * 5
+    # floor 1: the even split; floor 0: the plain global top-k; with the cap, both apply
+    assert capped_top_k(s, 60, 1.0, floor=1.0).sum(dim=2).flatten().tolist() == [10] * 6
+    assert torch.equal(capped_top_k(s, 60, 1.0, floor=0.0), capped_top_k(s, 60, 1.0))
+    capped = capped_top_k(s, 60, 0.5, floor=0.5).sum(dim=2)
+    assert int(capped.sum()) == 60 and int(capped[0, 0]) == 20 and int(capped.min()) >= 5
+    # the floors always fit: at most total // heads each, never more than a head's entries
+    assert floor_entries(1.0, 40, 7, 6) == 1 and floor_entries(1.0, 3, 600, 6) == 3
+
+
+def test_am_head_floor_counts_the_recent_tokens_and_is_inert_outside_global_splits():
+    s = _skewed()
+    keep = get_method("am", head_floor=0.5, recent=2, selection="kvzip").select(s, 0.25)  # 60 entries
+    assert int(keep.sum()) == 60 and keep.sum(dim=2).flatten().tolist() == [35] + [5] * 5
+    assert bool(keep[..., -2:].all())  # the recent tokens are within each head's floor of 5
+    inert = PARAMS["am"].inert({**PARAMS["am"].defaults(), "budgets": "uniform", "head_floor": 0.5})
+    assert "head_floor" in inert
+    assert "head_floor" not in PARAMS["am"].inert({**PARAMS["am"].defaults(), "head_floor": 0.5})
+    for bad in (-0.1, 1.5, float("nan"), "half", True):
+        with pytest.raises(InputError, match="head_floor"):
+            get_method("am", head_floor=bad)
 
 
 def test_am_select_split_cap_and_recent_floor():
@@ -508,6 +543,9 @@ def test_packs_from_before_the_budgets_read_as_built_with_the_global_split():
     # the cap an uncapped split never reads stands at its default (MethodParams.canonical)
     assert (done["budgets"], done["max_head_ratio"], done["recent"]) == ("global", 0.75, 0)
     assert done != get_method("am").params()
+    # a pack from before the head floor was built without one: a build with the default floor rebuilds it
+    no_floor = _with_defaults("am", {k: v for k, v in am.defaults().items() if k != "head_floor"})
+    assert no_floor["head_floor"] == 0.0 and am.defaults()["head_floor"] == 0.25
     kv_old = {k: v for k, v in PARAMS["kvzip"].defaults().items() if k != "max_head_ratio"}
     assert _with_defaults("kvzip", kv_old) == get_method("kvzip").params()
 

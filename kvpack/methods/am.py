@@ -194,7 +194,11 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     than KVzip at keep 0.3, where the heads it caps are broad ones that are too large to be fitted, and changed
     nothing from keep 0.1 down, BENCHMARKS.md), ``"uniform"`` or ``"schedule"`` (a per-model fraction file,
     ``kvpack.schedule``, capped). Every head keeps its last ``recent``
-    context tokens first (within its budget; kvpack's, not the paper's). Within a head, KVzip's scores
+    context tokens first (within its budget; kvpack's, not the paper's), and with ``"global"`` and
+    ``"global-capped"`` its top ``head_floor`` x the even per-head share (``budgets.floor_entries``; the recent
+    tokens count in it) before the global top-k splits the rest (kvpack's: KVzip's global top-k left most SmolLM2
+    heads their recent tokens alone at keep 0.05, and those held most of the loss; BENCHMARKS.md, "Issue 28,
+    thirty-second session"). Within a head, KVzip's scores
     (``selection="kvzip"``), the highest RMS attention over the reference queries (``"rms"``, the default, the paper
     code's ``score_method="rms"``) or OMP (``"omp"``, the paper's AM-OMP, ``kvpack.methods.am_omp``; its beta is then
     the clamped least squares of ``am_fit.clamped_least_squares``, in ``[-27.6, 7]``, rather than the NNLS fit in
@@ -239,6 +243,8 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         chunk_size, tail_tokens, scoring: KVzip's (its repeat pass; ``scoring="plus"`` selects by KVzip+).
         max_head_ratio: the per-head cap of ``"global-capped"`` and ``"schedule"``, in (0, 1] (default 0.75).
         budgets: ``"global"`` (default), ``"global-capped"``, ``"uniform"`` or ``"schedule"``.
+        head_floor: the share of the even per-head budget every head keeps first under ``"global"`` and
+            ``"global-capped"``, in [0, 1] (default 0.25; 0: none, as before issue 28's thirty-second session).
         schedule: the schedule file of ``budgets="schedule"`` (checked against the model); its SHA-256 is
             recorded as ``schedule_sha256``.
         recent: last context tokens every head keeps (in its budget), ``>= 0``.
@@ -446,7 +452,8 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         tokens of every head first, then within each head KVzip's top scores, or ``reselect_within_heads``."""
         scores = protect_recent(scores.detach().float().cpu().nan_to_num(nan=float("-inf")), self.recent)
         fractions = None if self._schedule is None else self._schedule.fractions
-        keep = split(scores, int(round(ratio * scores.numel())), self.budgets, self.max_head_ratio, fractions)
+        keep = split(scores, int(round(ratio * scores.numel())), self.budgets, self.max_head_ratio, fractions,
+                     self.head_floor)
         return keep if self.selection == "kvzip" else self.reselect_within_heads(keep, prefill, scores)
 
     def reselect_within_heads(self, keep: torch.Tensor, prefill: Prefill, scores: torch.Tensor | None = None

@@ -18,6 +18,12 @@ so every split is deterministic.
                     capped at ``cap x n`` (``fit_budgets``: the surplus is redistributed in proportion to the
                     fractions, as ``apply_max_ratio_cap``), top-k within each head
 
+``head_floor`` (kvpack's, not the paper's; with ``global`` and ``global-capped``): every head first keeps its top
+``floor x total / heads`` entries, a share of the even split, and the global top-k then splits the rest. KVzip's
+global top-k sends most of a small budget to a few broad heads (on SmolLM2 at keep 0.05, two of thirty layers held
+almost half of it) and leaves most heads their recent tokens alone; those are where the continuation loss was
+(BENCHMARKS.md, "Issue 28, thirty-second session").
+
 The cap is raised to ``ceil(total / heads)`` entries when ``total`` would not fit under it (a keep ratio above the
 cap). ``protect_recent`` marks the last ``recent`` tokens of every head ``+inf``, so every split keeps them first
 (counted in the head's budget; a head whose budget holds fewer keeps the earliest of them, ties going to the lower
@@ -31,7 +37,7 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["split_evenly", "fit_budgets", "top_k_rows", "cap_entries", "capped_top_k", "uniform_split",
+__all__ = ["split_evenly", "fit_budgets", "top_k_rows", "cap_entries", "floor_entries", "capped_top_k", "uniform_split",
            "scheduled_split", "split", "protect_recent"]
 
 
@@ -103,19 +109,31 @@ def cap_entries(cap: float, n: int, total: int, heads: int) -> int:
     return min(n, max(int(math.floor(cap * n + 1e-9)), -(-total // heads)))
 
 
-def capped_top_k(scores: torch.Tensor, total: int, cap: float = 1.0) -> torch.Tensor:
+def floor_entries(floor: float, n: int, total: int, heads: int) -> int:
+    """Context entries every head keeps before the global top-k: ``floor(floor x total / heads)`` (a share of the
+    even split), at most ``n`` and at most ``total // heads`` (so the floors always fit in ``total``). ``floor`` in
+    [0, 1]; ``heads >= 1``."""
+    return min(n, total // heads, int(math.floor(floor * total / heads + 1e-9)))
+
+
+def capped_top_k(scores: torch.Tensor, total: int, cap: float = 1.0, floor: float = 0.0) -> torch.Tensor:
     """Global top-``total`` with no head above ``cap_entries(cap, ...)`` entries (module docstring,
-    ``global-capped``; ``cap=1`` is the plain global top-k)."""
+    ``global-capped``; ``cap=1`` is the plain global top-k) and, with ``floor > 0``, every head's top
+    ``floor_entries(floor, ...)`` entries kept first (``head_floor``, module docstring)."""
     scores = scores.detach().float().cpu()
     layers, heads, n = scores.shape
     flat = scores.reshape(layers * heads, n)
     limit = cap_entries(cap, n, total, layers * heads)
+    low = floor_entries(floor, n, total, layers * heads) if floor > 0 else 0
     if limit < n:  # only each head's top ``limit`` entries can be chosen
         candidates = top_k_rows(flat, torch.full((layers * heads,), limit, dtype=torch.int64))
     order = torch.sort(flat.reshape(-1), descending=True, stable=True).indices
     if limit < n:  # candidates first, each part by score
         cand = candidates.reshape(-1)[order]
         order = torch.cat([order[cand], order[~cand]])
+    if low > 0:  # every head's floor first (low <= limit: both are at least total // heads or n), then the rest
+        floors = top_k_rows(flat, torch.full((layers * heads,), low, dtype=torch.int64)).reshape(-1)[order]
+        order = torch.cat([order[floors], order[~floors]])
     keep = torch.zeros(flat.numel(), dtype=torch.bool)
     keep[order[:total]] = True
     return keep.view(layers, heads, n)
@@ -147,14 +165,15 @@ def scheduled_split(scores: torch.Tensor, total: int, fractions: torch.Tensor, c
 
 
 def split(scores: torch.Tensor, total: int, budgets: str, cap: float = 1.0,
-          fractions: torch.Tensor | None = None) -> torch.Tensor:
+          fractions: torch.Tensor | None = None, floor: float = 0.0) -> torch.Tensor:
     """The keep mask of split ``budgets`` (``global``, ``global-capped``, ``uniform``, ``schedule``; module
-    docstring). ``cap`` applies to ``global-capped`` and ``schedule``; ``fractions`` is the schedule's. Raises
-    ``ValueError`` for another split or a schedule without fractions."""
+    docstring). ``cap`` applies to ``global-capped`` and ``schedule``; ``fractions`` is the schedule's; ``floor``
+    (``head_floor``) to ``global`` and ``global-capped``. Raises ``ValueError`` for another split or a schedule
+    without fractions."""
     if budgets == "global":
-        return capped_top_k(scores, total, 1.0)
+        return capped_top_k(scores, total, 1.0, floor)
     if budgets == "global-capped":
-        return capped_top_k(scores, total, cap)
+        return capped_top_k(scores, total, cap, floor)
     if budgets == "uniform":
         return uniform_split(scores, total)
     if budgets == "schedule":

@@ -233,13 +233,20 @@ class AttentionMatchingParams(KVzipParams):
                                                # the defaults until issue 28's twenty-ninth session
                                                "self_study_temperature": 0.0, "self_study_samples": 1,
                                                # no refinement before issue 28's thirty-first session
-                                               "refine_steps": 0}
+                                               "refine_steps": 0,
+                                               # no floor before issue 28's thirty-second session
+                                               "head_floor": 0.0}
     max_head_ratio: float = option(0.75, "most of a KV head's own context entries it may keep with --budgets "
                                          "global-capped or schedule (the paper's --max-ratio-per-head)",
                                    low=0.0, high=1.0)
     budgets: str = option("global", "how --ratio is split over (layer, KV head): KVzip's global top-k, the same "
                                     "capped at --max-head-ratio (the paper's), an even split, or a --schedule "
                                     "file's fractions (capped)", choices=BUDGETS)
+    # KVzip's global top-k sends most of a small budget to a few broad heads; a floor for every head halved AM's
+    # keep-0.05 loss on SmolLM2 (BENCHMARKS.md, "Issue 28, thirty-second session"); packs before it read as 0
+    head_floor: float = option(0.25, "share of the even per-head budget every head keeps first (its recent tokens "
+                                     "included) before --budgets global or global-capped splits the rest by score "
+                                     "(0: none; kvpack's, not the paper's)", low=0.0, high=1.0)
     schedule: str | None = option(None, "per-(layer, KV head) budget fractions for --budgets schedule (a "
                                         "kvpack.schedule safetensors file of this model)", metavar="FILE")
     score_queries: str = option("repeat", "whose queries score the context entries for the split over heads and "
@@ -316,6 +323,8 @@ class AttentionMatchingParams(KVzipParams):
         out = {}
         if params.get("budgets") not in ("global-capped", "schedule"):
             out["max_head_ratio"] = "it caps only --budgets global-capped and schedule"
+        if params.get("budgets") not in ("global", "global-capped"):
+            out["head_floor"] = "it applies only to --budgets global and global-capped"
         if params.get("ridge_search") is True and params.get("values") == "fit":
             for k in ("value_bound", "held_out_check", "ridge", "ridge_to"):
                 out[k] = "--ridge-search chooses each head's fit on validation queries instead"
@@ -379,6 +388,8 @@ class AttentionMatchingParams(KVzipParams):
             raise InputError(f"am: queries must be an integer <= {MAX_QUERIES}, got {self.queries!r}")
         check_choice(self.name, "budgets", self.budgets, BUDGETS)
         check_choice(self.name, "score_queries", self.score_queries, SCORE_QUERIES)
+        check_float(self.name, "head_floor", self.head_floor, 0.0, 1.0)
+        self.head_floor = float(self.head_floor)
         check_int(self.name, "recent", self.recent, 0)
         check_int(self.name, "self_study_tokens", self.self_study_tokens, 1)
         check_float(self.name, "self_study_temperature", self.self_study_temperature, 0.0, MAX_TEMPERATURE)
