@@ -21,7 +21,7 @@ so every split is deterministic.
 ``head_floor`` (kvpack's, not the paper's; with ``global`` and ``global-capped``): every head first keeps its top
 ``floor x total / heads`` entries, a share of the even split, and the global top-k then splits the rest. KVzip's
 global top-k sends most of a small budget to a few broad heads (on SmolLM2 at keep 0.05, two of thirty layers held
-almost half of it) and leaves most heads their recent tokens alone; those are where the continuation loss was
+39% of it) and leaves most heads their recent tokens alone; those are where the continuation loss was
 (BENCHMARKS.md, "Issue 28, thirty-second session").
 
 The cap is raised to ``ceil(total / heads)`` entries when ``total`` would not fit under it (a keep ratio above the
