@@ -242,8 +242,9 @@ class AttentionMatchingParams(KVzipParams):
     budgets: str = option("global", "how --ratio is split over (layer, KV head): KVzip's global top-k, the same "
                                     "capped at --max-head-ratio (the paper's), an even split, or a --schedule "
                                     "file's fractions (capped)", choices=BUDGETS)
-    # KVzip's global top-k sends most of a small budget to a few broad heads; a floor for every head halved AM's
-    # keep-0.05 loss on SmolLM2 (BENCHMARKS.md, "Issue 28, thirty-second session"); packs before it read as 0
+    # KVzip's global top-k sends most of a small budget to a few broad heads; a floor for every head lowered AM's
+    # keep-0.05 loss on twelve fresh SmolLM2 passages from 4.31x to 1.53x KVzip's keep-0.1 loss (BENCHMARKS.md,
+    # "Issue 28, thirty-second session"); packs from before it read as 0
     head_floor: float = option(0.25, "share of the even per-head budget every head keeps first (its recent tokens "
                                      "included) before --budgets global or global-capped splits the rest by score "
                                      "(0: none; kvpack's, not the paper's)", low=0.0, high=1.0)
