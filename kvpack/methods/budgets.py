@@ -131,7 +131,7 @@ def capped_top_k(scores: torch.Tensor, total: int, cap: float = 1.0, floor: floa
     if limit < n:  # candidates first, each part by score
         cand = candidates.reshape(-1)[order]
         order = torch.cat([order[cand], order[~cand]])
-    if low > 0:  # every head's floor first (low <= limit: both are at least total // heads or n), then the rest
+    if low > 0:  # every head's floor first (low <= min(n, total // heads) <= limit), then the rest
         floors = top_k_rows(flat, torch.full((layers * heads,), low, dtype=torch.int64)).reshape(-1)[order]
         order = torch.cat([order[floors], order[~floors]])
     keep = torch.zeros(flat.numel(), dtype=torch.bool)

@@ -243,7 +243,7 @@ class AttentionMatchingParams(KVzipParams):
                                     "capped at --max-head-ratio (the paper's), an even split, or a --schedule "
                                     "file's fractions (capped)", choices=BUDGETS)
     # KVzip's global top-k sends most of a small budget to a few broad heads; a floor for every head lowered AM's
-    # keep-0.05 loss on twelve fresh SmolLM2 passages from 4.31x to 1.53x KVzip's keep-0.1 loss (BENCHMARKS.md,
+    # keep-0.05 loss on fourteen fresh SmolLM2 passages from 4.31x to 1.53x KVzip's keep-0.1 loss (BENCHMARKS.md,
     # "Issue 28, thirty-second session"); packs from before it read as 0
     head_floor: float = option(0.25, "share of the even per-head budget every head keeps first (its recent tokens "
                                      "included) before --budgets global or global-capped splits the rest by score "
