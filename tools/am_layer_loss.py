@@ -39,7 +39,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cont-docs", type=int, default=1)
     ap.add_argument("--cont-length", type=int, default=2048)
-    ap.add_argument("--variants", default="kvzip@0.1,am@0.05", help="comma-separated SPEC@RATIO (kvzip[...] or am[...])")
+    ap.add_argument("--variants", default="kvzip@0.1,am@0.05",
+                    help="comma-separated SPEC@RATIO (kvzip[...] or am[...])")
     ap.add_argument("--out", default="runs/am_layer_loss.json")
     args = ap.parse_args()
     wanted = [(v.rsplit("@", 1)[0], float(v.rsplit("@", 1)[1])) for v in args.variants.split(",")]
@@ -51,9 +52,10 @@ def main() -> None:
     t0 = time.perf_counter()
     for doc in continuation_docs(tok, args.cont_length, args.cont_docs, seed=args.seed):
         ref_nll = target_nll(fullcache_logprobs(model, tok, doc), doc.target_ids)
-        packs = packs_for(model, tok, doc.text, ratios, None, ("global",), names, None, fingerprint)
-        whole = packs_for(model, tok, doc.text, [1.0], None, ("global",), ["kvzip"], None, fingerprint)
-        full_pack = whole[("kvzip", "global", 1.0)]
+        # the full cache as a pack: KVzip at keep 1, from the same prefill and scoring pass (no fit at keep 1)
+        packs = packs_for(model, tok, doc.text, [*ratios, 1.0], None, ("global",),
+                          names if "kvzip" in names else [*names, "kvzip"], None, fingerprint)
+        full_pack = packs[("kvzip", "global", 1.0)]
 
         def loss(pack) -> float:
             lp = cache_logprobs(model, KvpackCache.from_pack(pack), doc.target_ids)

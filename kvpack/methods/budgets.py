@@ -37,8 +37,8 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["split_evenly", "fit_budgets", "top_k_rows", "cap_entries", "floor_entries", "capped_top_k", "uniform_split",
-           "scheduled_split", "split", "protect_recent"]
+__all__ = ["split_evenly", "fit_budgets", "top_k_rows", "cap_entries", "floor_entries", "capped_top_k",
+           "uniform_split", "scheduled_split", "split", "protect_recent"]
 
 
 def split_evenly(total: int, parts: int) -> torch.Tensor:
@@ -124,7 +124,7 @@ def capped_top_k(scores: torch.Tensor, total: int, cap: float = 1.0, floor: floa
     layers, heads, n = scores.shape
     flat = scores.reshape(layers * heads, n)
     limit = cap_entries(cap, n, total, layers * heads)
-    low = floor_entries(floor, n, total, layers * heads) if floor > 0 else 0
+    low = floor_entries(floor, n, total, layers * heads)  # 0 without a floor
     if limit < n:  # only each head's top ``limit`` entries can be chosen
         candidates = top_k_rows(flat, torch.full((layers * heads,), limit, dtype=torch.int64))
     order = torch.sort(flat.reshape(-1), descending=True, stable=True).indices
