@@ -196,7 +196,8 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     ``kvpack.schedule``, capped). Every head keeps its last ``recent``
     context tokens first (within its budget; kvpack's, not the paper's), and with ``"global"`` and
     ``"global-capped"`` its top ``head_floor`` x the even per-head share (``budgets.floor_entries``; the recent
-    tokens count in it) before the global top-k splits the rest (kvpack's: KVzip's global top-k left most SmolLM2
+    tokens count in it) before the global top-k splits the rest (Ada-KV's safeguard, arXiv 2407.11550, over every
+    layer's heads; not in the AM paper: KVzip's global top-k left most SmolLM2
     heads their recent tokens alone at keep 0.05, and those held most of the loss; BENCHMARKS.md, "Issue 28,
     thirty-second session"). Within a head, KVzip's scores
     (``selection="kvzip"``), the highest RMS attention over the reference queries (``"rms"``, the default, the paper

@@ -18,8 +18,12 @@ so every split is deterministic.
                     capped at ``cap x n`` (``fit_budgets``: the surplus is redistributed in proportion to the
                     fractions, as ``apply_max_ratio_cap``), top-k within each head
 
-``head_floor`` (kvpack's, not the paper's; with ``global`` and ``global-capped``): every head first keeps its top
-``floor x total / heads`` entries, a share of the even split, and the global top-k then splits the rest. KVzip's
+``head_floor`` (not in the AM or KVzip papers; with ``global`` and ``global-capped``): every head first keeps its
+top ``floor x total / heads`` entries, a share of the even split, and the global top-k then splits the rest. It is
+Ada-KV's safeguard (arXiv 2407.11550; ``alpha = 0.2`` in its official scripts' ``--floor_alpha`` and in kvpress's
+``AdaKVPress.alpha_safeguard``), with two differences: Ada-KV splits each layer's budget over that layer's heads,
+where this floor sits under KVzip's top-k over every layer's heads at once, and here a head's recent tokens count
+in its floor. KVzip's
 global top-k sends most of a small budget to a few broad heads (on SmolLM2 at keep 0.05, two of thirty layers held
 39% of it) and leaves most heads their recent tokens alone; those are where the continuation loss was
 (BENCHMARKS.md, "Issue 28, thirty-second session").

@@ -247,7 +247,7 @@ class AttentionMatchingParams(KVzipParams):
     # "Issue 28, thirty-second session"); packs from before it read as 0
     head_floor: float = option(0.25, "share of the even per-head budget every head keeps first (its recent tokens "
                                      "included) before --budgets global or global-capped splits the rest by score "
-                                     "(0: none; kvpack's, not the paper's)", low=0.0, high=1.0)
+                                     "(0: none; Ada-KV's safeguard, arXiv 2407.11550; not in the AM paper)", low=0.0, high=1.0)
     schedule: str | None = option(None, "per-(layer, KV head) budget fractions for --budgets schedule (a "
                                         "kvpack.schedule safetensors file of this model)", metavar="FILE")
     score_queries: str = option("repeat", "whose queries score the context entries for the split over heads and "
