@@ -237,3 +237,31 @@ def test_bench_am_fit_side_names_are_parameters():
     read_by_score = {"reference", "queries", "on_policy", "score_queries", "ridge_search", "continue_tokens"}
     read_by_score |= {f for f in am_fields if f.startswith("self_study_")}
     assert not bench_am.FIT_SIDE & read_by_score
+
+
+def test_bench_am_layer_splits():
+    """``tools/bench_am.py``'s ``adakvF`` gives every layer the same budget (Ada-KV, arXiv 2407.11550) with each head
+    at least ``F x`` the layer's even per-head share and the method's recent tokens kept; ``lfloorF`` keeps the
+    exact total with every layer at least ``F x`` the even per-layer share."""
+    import importlib.util
+    import types
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("bench_am", ROOT / "tools" / "bench_am.py")
+    bench_am = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_am)
+    torch.manual_seed(0)
+    scores = torch.rand(4, 3, 100)
+    scores[0] += 10  # layer 0 would take nearly everything by a global top-k
+    scorer = types.SimpleNamespace(recent=4)
+    total = round(0.1 * scores.numel())  # 120
+    keep = bench_am.split_budget(scorer, scores, 0.1, None, "adakv0.5")
+    assert int(keep.sum()) == total
+    assert keep.sum(dim=(1, 2)).tolist() == [30, 30, 30, 30]
+    assert int(keep.sum(dim=2).min()) >= 5  # 0.5 x 30 / 3
+    assert bool(keep[..., -4:].all())
+    keep = bench_am.split_budget(scorer, scores, 0.1, None, "lfloor0.5")
+    assert int(keep.sum()) == total
+    assert keep.sum(dim=(1, 2))[1:].tolist() == [15, 15, 15]  # the floors; layer 0 takes the rest by score
+    assert bool(keep[1:, :, -4:].all())  # the recent tokens come first within each layer's floor

@@ -15,6 +15,11 @@ bench's own (``kvpack.bench.continuation``, ``kvpack.bench.multiquery``, same se
     global   KVzip's global top-k (the default of both methods: non-uniform heads, arXiv 2505.23416 §3.3)
     head     an even split over every (layer, KV head), top-k within each head
     floorF   every head first gets its top ``F x`` the even share (e.g. ``floor0.125``), the rest by global top-k
+    adakvF   Ada-KV (arXiv 2407.11550) as its paper runs it: every layer the same budget, split over that layer's
+             heads by one top-k with a safeguard of ``F x`` the layer's even per-head share (``adakv0.2``: its
+             scripts' ``floor_alpha``); the method's recent tokens first, counted in the safeguard
+    lfloorF  every layer first keeps its top ``F x`` the even per-layer share (one top-k over that layer's heads,
+             the recent tokens first), the rest by global top-k: a floor per layer instead of per head
     largest-full   a diagnostic, not an equal budget: ``global``, with the head that keeps most made complete (how
              much of the loss sits in that one head's evictions)
 
@@ -46,6 +51,7 @@ from kvpack.compress import assemble_pack  # noqa: E402
 from kvpack.layout import chat_layout  # noqa: E402
 from kvpack.methods import get_method  # noqa: E402
 from kvpack.methods.base import split_evenly, top_k_rows  # noqa: E402
+from kvpack.methods.budgets import capped_top_k, protect_recent  # noqa: E402
 from kvpack.model import model_spec  # noqa: E402
 from kvpack.prefill import prefill  # noqa: E402
 
@@ -71,11 +77,23 @@ def split_budget(scorer, scores: torch.Tensor, ratio: float, full, budget: str) 
         keep = scorer.select(scores, ratio, full).clone()
         keep.view(layers * heads, n)[int(keep.sum(dim=2).flatten().argmax())] = True
         return keep
+    if budget.startswith(("adakv", "lfloor")):
+        protected = protect_recent(scores.detach().float().cpu(), getattr(scorer, "recent", 0))
+        shares = split_evenly(total, layers)
+        if budget.startswith("adakv"):
+            return torch.cat([capped_top_k(protected[i:i + 1], int(shares[i]), 1.0, float(budget[5:]))
+                              for i in range(layers)])
+        floors = (float(budget[6:]) * shares.double()).floor().long()
+        keep = torch.cat([capped_top_k(protected[i:i + 1], int(floors[i])) for i in range(layers)]).flatten()
+        rest = protected.flatten().masked_fill(keep, float("-inf"))
+        keep[rest.argsort(descending=True, stable=True)[: total - int(keep.sum())]] = True
+        return keep.view(scores.shape)
     flat = scores.detach().float().reshape(layers * heads, n)
     if budget == "head":
         return top_k_rows(flat, split_evenly(total, layers * heads)).view(scores.shape)
     if not budget.startswith("floor"):
-        raise SystemExit(f"--budgets: unknown split {budget!r} (global, head, floorF or largest-full)")
+        raise SystemExit(f"--budgets: unknown split {budget!r} (global, head, floorF, adakvF, lfloorF or "
+                         "largest-full)")
     floor = min(n, int(float(budget[5:]) * total / (layers * heads)))
     keep = top_k_rows(flat, torch.full((layers * heads,), floor, dtype=torch.int64)).flatten()
     rest = flat.flatten().masked_fill(keep, float("-inf"))
@@ -167,7 +185,7 @@ def main() -> None:
                     help="seed of the passages and multi-query contexts (0: the bench's own; choose options on "
                          "another seed than the one reported)")
     ap.add_argument("--budgets", default="global",
-                    help="comma-separated splits over heads: global, head, floorF, largest-full")
+                    help="comma-separated splits over heads: global, head, floorF, adakvF, lfloorF, largest-full")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated method specs (kvzip or am[...])")
     ap.add_argument("--out", default="runs/bench_am.json")
     args = ap.parse_args()
