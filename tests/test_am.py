@@ -18,6 +18,7 @@ from kvpack.fileformat import load_pack, pack_to_bytes
 from kvpack.generation import question_input_ids
 from kvpack.methods import get_method
 from kvpack.methods.am import QueryReservoir
+from kvpack.methods.params import PARAMS
 from kvpack.methods.am_fit import (attention_output, context_attention, context_share, fit_head, gram,
                                    least_squares, max_attention, nnls_box, rms_attention)
 from kvpack.layout import chat_layout
@@ -448,6 +449,34 @@ def test_queries_per_entry_leaves_heads_with_too_few_queries_unfitted():
     assert guarded.metadata["method_params"]["queries_per_entry"] == 1e6
     assert all(not bool(layer.biases.any()) for layer in guarded.layers if layer.biases is not None)
     assert any(bool(layer.biases.any()) for layer in fitted.layers if layer.biases is not None)
+
+
+def test_unfitted_selection_kvzip_keeps_kvzips_entries_in_the_heads_the_fit_leaves():
+    """``unfitted_selection="kvzip"``: a head left unfitted (more entries than its fit queries / queries_per_entry)
+    keeps KVzip's top entries; a fitted head keeps RMS's. Nothing fitted: KVzip's selection exactly; everything
+    fitted: RMS's exactly; and inert under ``selection="kvzip"`` or ``values`` other than ``fit``."""
+    model, tok = tiny_model("llama")
+    spec, layout = model_spec(model), chat_layout(tok)
+    prefix = layout.prefix_ids(tok)
+    full = prefill(model, prefix + layout.encode(tok, TEXT), len(prefix), layout, spec, 40)
+
+    def chosen(**options):
+        m = get_method("am", chunk_size=40, selection="rms", **options)
+        return m.select(m.score(model, tok, full), 0.3, full)
+
+    kvzip_keep = get_method("am", chunk_size=40, selection="kvzip")
+    kvzip_keep = kvzip_keep.select(kvzip_keep.score(model, tok, full), 0.3, full)
+    rms = chosen(queries_per_entry=1e6)
+    assert not torch.equal(rms, kvzip_keep)  # the two selections differ on this context
+    assert torch.equal(chosen(queries_per_entry=1e6, unfitted_selection="kvzip"), kvzip_keep)
+    assert torch.equal(chosen(queries_per_entry=1.0, unfitted_selection="kvzip"), chosen(queries_per_entry=1.0))
+    assert torch.equal(chosen(queries_per_entry=1e6, unfitted_selection="kvzip", values="copy"), rms)
+    inert = PARAMS["am"].inert
+    assert "unfitted_selection" in inert({**PARAMS["am"].defaults(), "selection": "kvzip"})
+    assert "unfitted_selection" not in inert(PARAMS["am"].defaults())
+    assert PARAMS["am"].recorded_defaults()["unfitted_selection"] == "same"
+    with pytest.raises(InputError, match="unfitted_selection"):
+        get_method("am", unfitted_selection="rms")
 
 
 def _reference_pools(arch, **options):

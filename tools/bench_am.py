@@ -58,7 +58,8 @@ from kvpack.prefill import prefill  # noqa: E402
 VARIANTS = ("kvzip", "am", "am[values=copy]", "am[values=merge]")  # method specs (kvpack.bench.specs)
 #: AM parameters read only by the selection and the fit, after ``score()``: variants that differ only in these share
 #: one scoring pass and its reference queries (``packs_for``).
-FIT_SIDE = frozenset({"budgets", "max_head_ratio", "head_floor", "schedule", "recent", "selection", "values",
+FIT_SIDE = frozenset({"budgets", "max_head_ratio", "head_floor", "schedule", "recent", "selection",
+                      "unfitted_selection", "values",
                       "queries_per_entry", "held_out_check", "shift", "value_bound", "ridge", "ridge_to", "weights",
                       "refine_steps", "refine_batch"})
 #: KVzip parameters read only by its selection: a kvzip variant with any other parameter scores on its own.

@@ -450,12 +450,27 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         """Keep mask ``[compressed layers, kv_heads, context]`` bool with ``round(ratio x entries)`` entries: the
         per-head budgets of ``budgets`` (``kvpack.methods.budgets.split``: ``global``, ``global-capped`` and
         ``schedule`` capped at ``max_head_ratio``, ``uniform``) over KVzip's scores with the last ``recent``
-        tokens of every head first, then within each head KVzip's top scores, or ``reselect_within_heads``."""
+        tokens of every head first, then within each head KVzip's top scores, or ``reselect_within_heads`` (with
+        ``unfitted_selection="kvzip"``, except in the heads the fit will leave as they are, which keep KVzip's top
+        scores: ``_unfitted_heads``)."""
         scores = protect_recent(scores.detach().float().cpu().nan_to_num(nan=float("-inf")), self.recent)
         fractions = None if self._schedule is None else self._schedule.fractions
         keep = split(scores, int(round(ratio * scores.numel())), self.budgets, self.max_head_ratio, fractions,
                      self.head_floor)
-        return keep if self.selection == "kvzip" else self.reselect_within_heads(keep, prefill, scores)
+        if self.selection == "kvzip":
+            return keep
+        chosen = self.reselect_within_heads(keep, prefill, scores)
+        if self.unfitted_selection == "kvzip" and self.values == "fit":  # heads the fit leaves keep KVzip's entries
+            unfitted = self._unfitted_heads(keep.sum(dim=2), keep.shape[2])
+            chosen[unfitted] = keep[unfitted]
+        return chosen
+
+    def _unfitted_heads(self, counts: torch.Tensor, context: int) -> torch.Tensor:
+        """``[compressed layers, kv_heads]`` bool: the heads keeping ``counts`` (``[compressed layers, kv_heads]``)
+        of their ``context`` entries that ``_fitted`` says the fit leaves as they are (more entries than their fit
+        queries / ``queries_per_entry``; a head keeping nothing or everything is the same under any selection)."""
+        n_fit = torch.tensor([self._reference(i)[0].shape[1] for i in range(counts.shape[0])])[:, None]
+        return (counts > 0) & (counts < context) & (counts * self.queries_per_entry > n_fit)
 
     def reselect_within_heads(self, keep: torch.Tensor, prefill: Prefill, scores: torch.Tensor | None = None
                               ) -> torch.Tensor:

@@ -29,7 +29,8 @@ from typing import Any, ClassVar
 from ..errors import InputError
 
 __all__ = ["Option", "option", "MethodParams", "PARAMS", "CommandLineOption", "command_line_options",
-           "parameter_types", "parse_value", "SCOPES", "SCORINGS", "MERGE_MODES", "SELECTIONS", "VALUE_MODES",
+           "parameter_types", "parse_value", "SCOPES", "SCORINGS", "MERGE_MODES", "SELECTIONS",
+           "UNFITTED_SELECTIONS", "VALUE_MODES",
            "REFERENCES", "SHIFTS", "RIDGE_TARGETS", "FIT_WEIGHTS", "BUDGETS", "SCORE_QUERIES", "MAX_QUERIES",
            "check_int", "check_float", "check_choice", "check_bool"]
 
@@ -41,6 +42,9 @@ SCORINGS = ("attention", "plus")
 MERGE_MODES = ("keys+values", "values", "off")
 #: Attention Matching's within-head selections (``selection``) and value modes (``values``).
 SELECTIONS = ("kvzip", "rms", "kvzip+rms", "omp")
+#: What a KV head that Attention Matching leaves unfitted keeps, with a ``selection`` other than ``kvzip``
+#: (``unfitted_selection``): KVzip's top entries within its budget, or the entries ``selection`` chose (``same``).
+UNFITTED_SELECTIONS = ("kvzip", "same")
 VALUE_MODES = ("fit", "copy", "merge")
 #: Sources of Attention Matching's reference queries (``reference``): KVzip's repeat pass, sampled
 #: self-continuations, both of those, the model's answers to self-study prompts about the context
@@ -235,7 +239,7 @@ class AttentionMatchingParams(KVzipParams):
                                                # no refinement before issue 28's thirty-first session
                                                "refine_steps": 0,
                                                # no floor before issue 28's thirty-second session
-                                               "head_floor": 0.0}
+                                               "head_floor": 0.0, "unfitted_selection": "same"}
     max_head_ratio: float = option(0.75, "most of a KV head's own context entries it may keep with --budgets "
                                          "global-capped or schedule (the paper's --max-ratio-per-head)",
                                    low=0.0, high=1.0)
@@ -260,6 +264,10 @@ class AttentionMatchingParams(KVzipParams):
                                      "queries, half of each (kvzip+rms), or OMP (greedy mass matching; slower)",
                             flag="--select",
                             choices=SELECTIONS)
+    unfitted_selection: str = option("same", "what a KV head left unfitted (more kept entries than its fit queries / "
+                                             "--queries-per-entry) keeps: the entries --select chose (same), or "
+                                             "KVzip's top entries, which such a head uses as they are, as KVzip does "
+                                             "(kvpack's; the paper fits every head)", choices=UNFITTED_SELECTIONS)
     values: str = option("fit", "kept values fitted by least squares, copied, or D2O-merged", choices=VALUE_MODES)
     queries: int = option(8192, "reference queries per KV head", low=16, high=MAX_QUERIES)
     queries_per_entry: float = option(8.0, "a KV head is fitted only where its fit queries (--queries less the "
@@ -326,6 +334,9 @@ class AttentionMatchingParams(KVzipParams):
             out["max_head_ratio"] = "it caps only --budgets global-capped and schedule"
         if params.get("budgets") not in ("global", "global-capped"):
             out["head_floor"] = "it applies only to --budgets global and global-capped"
+        if params.get("selection") == "kvzip" or params.get("values") != "fit":
+            out["unfitted_selection"] = ("it applies only where --select is not kvzip and --values fit leaves some "
+                                         "heads unfitted")
         if params.get("ridge_search") is True and params.get("values") == "fit":
             for k in ("value_bound", "held_out_check", "ridge", "ridge_to"):
                 out[k] = "--ridge-search chooses each head's fit on validation queries instead"
@@ -374,6 +385,7 @@ class AttentionMatchingParams(KVzipParams):
     def __post_init__(self):
         super().__post_init__()
         check_choice(self.name, "selection", self.selection, SELECTIONS)
+        check_choice(self.name, "unfitted_selection", self.unfitted_selection, UNFITTED_SELECTIONS)
         check_choice(self.name, "weights", self.weights, FIT_WEIGHTS)
         check_bool(self.name, "ridge_search", self.ridge_search)
         check_int(self.name, "refine_steps", self.refine_steps, 0)
