@@ -730,12 +730,15 @@ def _csv(kind, name):
 @click.option("--peer-venv", default=".venv-kvpress", show_default=True, metavar="DIR",
               help="The kvpress virtual environment.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds every context and question.")
+@click.option("--haystack", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="Draw the contexts from your own documents: the .txt and .md files directly in DIR (UTF-8) "
+                   "[default: the shipped CPython documentation pages].")
 @click.option("--device", type=click.Choice(_DEVICES), default="cpu", show_default=True, help="Where to run the model.")
 @_threads_option
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots (no matplotlib needed).")
 @click.pass_context
 def bench(ctx, methods, ratios, quants, lengths, depths, trials, tasks, context_length, contexts, out_dir, quick, model_name,
-          peer, peer_venv, seed, device, threads, no_plots):
+          peer, peer_venv, seed, haystack, device, threads, no_plots):
     """Benchmark methods x ratios x quantization on held-out text: needle retrieval, multi-query reuse,
     continuation NLL, speed, memory and file size; write JSON, Markdown and PNG plots to --out.
 
@@ -750,8 +753,8 @@ def bench(ctx, methods, ratios, quants, lengths, depths, trials, tasks, context_
     if contexts is not None:
         given.update(mq_contexts=contexts, cont_docs=contexts)
     options = {k: v for k, v in given.items() if v is not None}
-    options.update(model=model_name, peer=peer, peer_venv=peer_venv, seed=seed, device=device, threads=threads,
-                   plots=not no_plots)
+    options.update(model=model_name, peer=peer, peer_venv=peer_venv, seed=seed, haystack=haystack, device=device,
+                   threads=threads, plots=not no_plots)
     cfg = BenchConfig.quick(**options) if quick else BenchConfig(**options)
     words = ["kvpack", "bench"]
     for p in ctx.command.params:

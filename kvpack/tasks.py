@@ -123,27 +123,71 @@ def answer_matches(answer: str, fact: Fact) -> bool:
     return re.search(rf"(?<!\d){re.escape(fact.code)}(?!\d)", answer) is not None
 
 
-def haystack_documents() -> list[str]:
-    """The held-out documents shipped for retrieval tasks (``kvpack/data/haystack``, PSF-licensed CPython docs)."""
+#: Most bytes a haystack folder's files may hold together (``haystack_documents``): a benchmark corpus, read whole.
+MAX_HAYSTACK_BYTES = 64 << 20
+#: The files of a haystack folder that are read: its ``*.txt`` and ``*.md``, directly in it, by name.
+HAYSTACK_SUFFIXES = (".txt", ".md")
+#: Random paragraph starts tried before a context or passage of the asked length is given up on.
+PASSAGE_TRIES = 1000
+
+
+def haystack_documents(folder=None) -> list[str]:
+    """The held-out documents of the retrieval and continuation tasks: the shipped ones (``folder=None``:
+    ``kvpack/data/haystack``, PSF-licensed CPython docs, held out from the reference model's training), or the
+    ``*.txt`` and ``*.md`` files directly in ``folder`` (a path), sorted by name, read as UTF-8: your own documents.
+
+    Raises:
+        InputError: ``folder`` is not a directory, holds no such file, holds more than ``MAX_HAYSTACK_BYTES`` in
+            them, or one is not UTF-8 text; each message names the folder or file and the fix.
+    """
     from pathlib import Path
 
-    folder = Path(__file__).resolve().parent / "data" / "haystack"
-    return [p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.txt"))]
+    from .errors import InputError
+
+    if folder is None:
+        shipped = Path(__file__).resolve().parent / "data" / "haystack"
+        return [p.read_text(encoding="utf-8") for p in sorted(shipped.glob("*.txt"))]
+    path = Path(folder)
+    if not path.is_dir():
+        raise InputError(f"haystack folder {str(path)!r} is not a directory; give a folder of .txt or .md files")
+    files = sorted(p for p in path.iterdir() if p.suffix.lower() in HAYSTACK_SUFFIXES and p.is_file())
+    if not files:
+        raise InputError(f"haystack folder {str(path)!r} has no .txt or .md file directly in it; put your "
+                         "documents there as UTF-8 text")
+    total = sum(p.stat().st_size for p in files)  # sizes before reading
+    if total > MAX_HAYSTACK_BYTES:
+        raise InputError(f"haystack folder {str(path)!r} holds {total:,} bytes of .txt and .md files, over the "
+                         f"{MAX_HAYSTACK_BYTES:,} a benchmark corpus may hold; give a folder with fewer documents")
+    out = []
+    for p in files:
+        try:
+            out.append(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise InputError(f"haystack file {str(p)!r} is not UTF-8 text ({e.reason} at byte {e.start}); convert "
+                             "it or move it out of the folder") from None
+    return out
 
 
-def needle_context(tokenizer, n_tokens: int, facts: list[Fact], depths: list[float], rng: random.Random) -> str:
+def needle_context(tokenizer, n_tokens: int, facts: list[Fact], depths: list[float], rng: random.Random,
+                   documents: list[str] | None = None) -> str:
     """A held-out passage of about ``n_tokens`` tokens (facts included) with ``facts`` planted at ``depths``.
 
-    The passage starts at a random paragraph of the concatenated haystack documents; ``tokenizer`` is any object
-    with ``encode(text, add_special_tokens=False)`` and ``decode(ids)``.
+    The passage starts at a random paragraph of the concatenated ``documents`` (default: ``haystack_documents()``);
+    ``tokenizer`` is any object with ``encode(text, add_special_tokens=False)`` and ``decode(ids)``. Raises
+    ``InputError`` when ``PASSAGE_TRIES`` paragraph starts give no passage that long.
     """
-    text = "\n\n".join(haystack_documents())
+    text = "\n\n".join(haystack_documents() if documents is None else documents)
     paragraph_starts = [0] + [m.end() for m in re.finditer(r"\n\n", text)]
     budget = n_tokens - sum(len(tokenizer.encode(" " + fact_sentence(f), add_special_tokens=False)) for f in facts)
-    while True:
+    for _ in range(PASSAGE_TRIES):
         start = rng.choice(paragraph_starts)
         ids = tokenizer.encode(text[start : start + 8 * n_tokens], add_special_tokens=False)
         if len(ids) >= budget:
             break
+    else:
+        from .errors import InputError
+
+        raise InputError(f"no passage of about {n_tokens} tokens in the haystack after {PASSAGE_TRIES} random "
+                         "paragraph starts; give longer documents or a shorter context length")
     passage = tokenizer.decode(ids[: max(1, budget)])
     return plant_facts(passage, facts, depths)

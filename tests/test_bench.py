@@ -260,3 +260,52 @@ def test_method_specs_name_options_and_build_like_compress():
     assert built[0].variant.label == "d2o[merge=values]@0.5"
     assert pack_to_bytes(built[0].pack, 0) == pack_to_bytes(ref, 0)
     assert expand_grid(["d2o[merge=off]"], [0.5], ["none"])[1] == Variant("d2o[merge=off]", 0.5, "none")
+
+
+def test_haystack_folder_gives_the_contexts_and_bad_folders_are_refused(tmp_path, monkeypatch):
+    """``--haystack DIR``: the contexts come from the .txt/.md files in DIR; a folder that is missing, empty, too
+    large, not UTF-8 or without a passage as long as asked is refused with an ``InputError`` naming it."""
+    from kvpack.bench.continuation import continuation_docs
+    from kvpack.bench.multiquery import multiquery_contexts
+
+    _, tok = tiny_model("llama")
+    own = tmp_path / "docs"
+    own.mkdir()
+    words = " ".join(f"zebra{i % 97}" for i in range(3000))
+    (own / "a.md").write_text("Zebras graze.\n\n" + words, encoding="utf-8")
+    (own / "ignored.rst").write_text("not read", encoding="utf-8")
+    docs = tasks.haystack_documents(own)
+    assert len(docs) == 1 and docs[0].startswith("Zebras graze.")
+    doc = continuation_docs(tok, 200, 1, 16, seed=3, documents=docs)[0]
+    assert "zebra" in doc.text and doc.text not in "\n\n".join(tasks.haystack_documents())
+    ctx = multiquery_contexts(tok, 200, 2, 1, seed=3, documents=docs)[0]
+    assert "zebra" in ctx.text and all(f.code in ctx.text for f in ctx.facts)
+    for bad, why in ((tmp_path / "missing", "not a directory"), (tmp_path, "no .txt or .md")):
+        with pytest.raises(InputError, match=why):
+            tasks.haystack_documents(bad)
+    (tmp_path / "latin1").mkdir()
+    (tmp_path / "latin1" / "x.txt").write_bytes(b"caf\xe9 " * 10)
+    with pytest.raises(InputError, match="not UTF-8"):
+        tasks.haystack_documents(tmp_path / "latin1")
+    monkeypatch.setattr(tasks, "MAX_HAYSTACK_BYTES", 100)
+    with pytest.raises(InputError, match="over the 100"):
+        tasks.haystack_documents(own)
+    import random
+
+    with pytest.raises(InputError, match="no passage of about 5000 tokens"):  # bounded, not an endless loop
+        tasks.needle_context(tok, 5000, [tasks.random_fact(random.Random(0))], [0.5], random.Random(0),
+                             ["too short"])
+
+
+def test_bench_cli_haystack_reaches_the_run_and_a_bad_one_exits_cleanly(tmp_path, monkeypatch):
+    import kvpack.bench
+
+    seen = {}
+    monkeypatch.setattr(kvpack.bench, "run_bench", lambda cfg, out_dir, **kw: seen.setdefault("cfg", cfg) and {})
+    res = CliRunner().invoke(cli, ["bench", "--quick", "--haystack", str(tmp_path), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output
+    assert seen["cfg"].haystack == str(tmp_path)
+    monkeypatch.undo()
+    res = CliRunner().invoke(cli, ["bench", "--quick", "--no-plots", "--haystack", str(tmp_path / "nowhere"),
+                                   "--out", str(tmp_path / "o")])
+    assert res.exit_code == 1 and "is not a directory" in res.output and "Traceback" not in res.output

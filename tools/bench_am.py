@@ -185,6 +185,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0,
                     help="seed of the passages and multi-query contexts (0: the bench's own; choose options on "
                          "another seed than the one reported)")
+    ap.add_argument("--haystack", default=None, metavar="DIR",
+                    help="draw the passages and contexts from the .txt/.md files in DIR (default: the shipped pages)")
     ap.add_argument("--budgets", default="global",
                     help="comma-separated splits over heads: global, head, floorF, adakvF, lfloorF, largest-full")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated method specs (kvzip or am[...])")
@@ -201,7 +203,8 @@ def main() -> None:
     fingerprint = model_fingerprint(model, tok)
     results = {"command": " ".join(sys.argv), "continuation": [], "multiquery": [], "build_seconds": []}
     t0 = time.perf_counter()
-    for doc in continuation_docs(tok, args.cont_length, args.cont_docs, seed=args.seed):
+    documents = None if args.haystack is None else tasks.haystack_documents(args.haystack)
+    for doc in continuation_docs(tok, args.cont_length, args.cont_docs, seed=args.seed, documents=documents):
         ref = fullcache_logprobs(model, tok, doc)
         ref_nll = target_nll(ref, doc.target_ids)
         timings = {}
@@ -215,7 +218,8 @@ def main() -> None:
                    "head_entries": [[int(n) for n in e.head_lengths] for e in pack.layers]}
             results["continuation"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k not in ("fit", "head_entries")}), flush=True)
-    for ctx in multiquery_contexts(tok, args.mq_length, args.mq_facts, args.mq_contexts, seed=args.seed):
+    for ctx in multiquery_contexts(tok, args.mq_length, args.mq_facts, args.mq_contexts, seed=args.seed,
+                                   documents=documents):
         for (name, budget, r), pack in packs_for(model, tok, ctx.text, ratios, args.queries, budgets,
                                                  variants, None, fingerprint).items():
             cache = KvpackCache.from_pack(pack)

@@ -47,13 +47,14 @@ class ContinuationDoc:
     length: int
 
 
-def continuation_docs(tokenizer, length: int, docs: int, target_tokens: int = 256, seed: int = 0
-                      ) -> list[ContinuationDoc]:
-    """``docs`` seeded passages, each starting at a random paragraph of the concatenated haystack documents.
+def continuation_docs(tokenizer, length: int, docs: int, target_tokens: int = 256, seed: int = 0,
+                      documents: list[str] | None = None) -> list[ContinuationDoc]:
+    """``docs`` seeded passages, each starting at a random paragraph of the concatenated ``documents`` (default:
+    ``tasks.haystack_documents()``, the shipped haystack).
 
     Raises ``ValueError`` if the haystack has no passage of ``length + target_tokens + 1`` tokens.
     """
-    text = "\n\n".join(tasks.haystack_documents())
+    text = "\n\n".join(tasks.haystack_documents() if documents is None else documents)
     starts = [0] + [m.end() for m in re.finditer(r"\n\n", text)]
     need = length + target_tokens + 1
     out = []

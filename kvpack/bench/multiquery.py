@@ -19,10 +19,11 @@ from .qa import QAContext
 __all__ = ["multiquery_contexts", "summarize_multiquery"]
 
 
-def multiquery_contexts(tokenizer, length: int, facts_per_context: int, contexts: int, seed: int = 0
-                        ) -> list[QAContext]:
-    """``contexts`` passages of about ``length`` tokens, each with ``facts_per_context`` facts (distinct names)
-    at evenly spread depths ``(i + 0.5) / facts_per_context``, asked in a seeded random order.
+def multiquery_contexts(tokenizer, length: int, facts_per_context: int, contexts: int, seed: int = 0,
+                        documents: list[str] | None = None) -> list[QAContext]:
+    """``contexts`` passages of about ``length`` tokens from ``documents`` (default: the shipped haystack), each with
+    ``facts_per_context`` facts (distinct names) at evenly spread depths ``(i + 0.5) / facts_per_context``, asked in
+    a seeded random order.
 
     Raises ``ValueError`` if ``facts_per_context`` < 1 or exceeds the number of names in ``kvpack.tasks.NAMES``.
     """
@@ -37,7 +38,7 @@ def multiquery_contexts(tokenizer, length: int, facts_per_context: int, contexts
             names.add(f.name)
             facts.append(f)
         depths = [(i + 0.5) / facts_per_context for i in range(facts_per_context)]
-        text = tasks.needle_context(tokenizer, length, facts, depths, rng)
+        text = tasks.needle_context(tokenizer, length, facts, depths, rng, documents)
         order = list(range(facts_per_context))
         rng.shuffle(order)
         out.append(QAContext(f"multiquery/{length}/c{c}", "multiquery", text, tuple(facts[i] for i in order), length,

@@ -20,9 +20,10 @@ __all__ = ["DEFAULT_DEPTHS", "needle_contexts", "summarize_needle"]
 DEFAULT_DEPTHS = tuple(round(i / 10, 1) for i in range(11))
 
 
-def needle_contexts(tokenizer, lengths: list[int], depths: list[float], trials_per_depth: int, seed: int = 0
-                    ) -> list[QAContext]:
-    """One context per (length, depth, trial): about ``length`` tokens with one fact planted at ``depth``.
+def needle_contexts(tokenizer, lengths: list[int], depths: list[float], trials_per_depth: int, seed: int = 0,
+                    documents: list[str] | None = None) -> list[QAContext]:
+    """One context per (length, depth, trial): about ``length`` tokens of ``documents`` (default: the shipped
+    haystack) with one fact planted at ``depth``.
 
     Each context is drawn from its own ``random.Random`` seeded by ``(seed, length, depth index, trial)``, so a
     context does not change when other lengths, depths or trial counts are added. Raises ``ValueError`` for a
@@ -34,7 +35,7 @@ def needle_contexts(tokenizer, lengths: list[int], depths: list[float], trials_p
             for t in range(trials_per_depth):
                 rng = random.Random(f"kvpack-bench/needle/{seed}/{length}/{di}/{t}")
                 fact = tasks.random_fact(rng)
-                text = tasks.needle_context(tokenizer, length, [fact], [depth], rng)
+                text = tasks.needle_context(tokenizer, length, [fact], [depth], rng, documents)
                 out.append(QAContext(f"needle/{length}/d{depth:g}/t{t}", "needle", text, (fact,), length,
                                      (float(depth),)))
     return out

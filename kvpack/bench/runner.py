@@ -21,7 +21,7 @@ import torch
 
 from .. import __version__
 from .. import settings as S
-from ..tasks import ANSWER_MAX_NEW_TOKENS
+from ..tasks import ANSWER_MAX_NEW_TOKENS, haystack_documents
 from ..errors import InputError
 from ..compress import compress
 from ..model import load_model
@@ -61,6 +61,9 @@ class BenchConfig:
         tasks: which of ``TASKS`` run.
         peer: ``None`` or ``"kvpress"``; peer_presses, peer_venv: its presses and virtual environment.
         model: model folder / hub id (``None``: the embedded reference model); device: ``cpu``/``cuda``/``auto``.
+        haystack: a folder of ``.txt``/``.md`` documents the needle, multi-query, continuation and speed contexts
+            are drawn from (``None``: the shipped CPython pages, ``kvpack.tasks.haystack_documents``; the memory
+            builds always use those).
         seed: seeds every context. chunk_size, group_size, zstd_level, max_new_tokens: as ``kvpack build``/``ask``.
         threads: torch CPU threads (0: leave torch's default).
         plots: draw the PNGs (needs matplotlib).
@@ -91,6 +94,7 @@ class BenchConfig:
     model: str | None = None
     device: str = "cpu"
     seed: int = 0
+    haystack: str | None = None
     chunk_size: int = 2048
     group_size: int = S.DEFAULT_GROUP_SIZE
     zstd_level: int = S.DEFAULT_ZSTD_LEVEL
@@ -258,11 +262,13 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path = "bench-out", *, command: s
     ``kvpack.load``; every method sees the same contexts and questions (seeded by ``cfg.seed``).
 
     Raises:
-        InputError: an invalid config, matplotlib missing while ``cfg.plots``; ``PeerError`` (an ``InputError``)
+        InputError: an invalid config, an unreadable ``cfg.haystack`` folder (``kvpack.tasks.haystack_documents``)
+        or one without a passage as long as asked, matplotlib missing while ``cfg.plots``; ``PeerError`` (an ``InputError``)
         when the kvpress environment cannot be made or its worker fails.
         ModelLoadError: the model cannot be loaded.
     """
     cfg.check()
+    documents = None if cfg.haystack is None else haystack_documents(cfg.haystack)  # InputError before any work
     if cfg.plots:
         require_matplotlib()
     if cfg.threads:
@@ -300,7 +306,7 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path = "bench-out", *, command: s
         if "needle" in cfg.tasks:
             with _task(failures, "needle", log):
                 t0 = time.perf_counter()
-                contexts = needle_contexts(tok, cfg.lengths, cfg.depths, cfg.trials, cfg.seed)
+                contexts = needle_contexts(tok, cfg.lengths, cfg.depths, cfg.trials, cfg.seed, documents)
                 rows = []
                 cost = [_context_s(cfg.variants(), ctx.length, 1) for ctx in contexts]
                 for i, ctx in enumerate(contexts, 1):
@@ -313,7 +319,8 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path = "bench-out", *, command: s
         if "multiquery" in cfg.tasks and cfg.mq_contexts:
             with _task(failures, "multiquery", log):
                 t0 = time.perf_counter()
-                contexts = multiquery_contexts(tok, cfg.mq_length, cfg.mq_facts, cfg.mq_contexts, cfg.seed)
+                contexts = multiquery_contexts(tok, cfg.mq_length, cfg.mq_facts, cfg.mq_contexts, cfg.seed,
+                                               documents)
                 rows = []
                 for i, ctx in enumerate(contexts, 1):
                     rows += answer_variants(model, tok, ctx, cfg.multiquery_variants(), tmp,
@@ -326,7 +333,7 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path = "bench-out", *, command: s
             with _task(failures, "continuation", log):
                 t0 = time.perf_counter()
                 docs = cont_docs = continuation_docs(tok, cfg.cont_length, cfg.cont_docs, cfg.cont_target,
-                                                     cfg.seed)
+                                                     cfg.seed, documents)
                 rows = []
                 for i, doc in enumerate(docs, 1):
                     rows += continuation_rows(model, tok, doc, cfg.variants(), tmp, **kw)
@@ -337,7 +344,7 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path = "bench-out", *, command: s
             with _task(failures, "speed", log):
                 t0 = time.perf_counter()
                 n = cfg.speed_length or max(cfg.lengths)
-                text = needle_contexts(tok, [n], [0.5], 1, cfg.seed)[0].text
+                text = needle_contexts(tok, [n], [0.5], 1, cfg.seed, documents)[0].text
                 speed_methods = ["none", *[m for m in cfg.methods if m != "none"]]
                 results["speed"] = measure_speed(model, tok, text, speed_methods, cfg.speed_ratio, tmp,
                                                  repeats=cfg.speed_repeats,
