@@ -731,8 +731,9 @@ def _csv(kind, name):
               help="The kvpress virtual environment.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds every context and question.")
 @click.option("--haystack", type=click.Path(file_okay=False), default=None, metavar="DIR",
-              help="Draw the contexts from your own documents: the .txt and .md files directly in DIR (UTF-8) "
-                   "[default: the shipped CPython documentation pages].")
+              help="Draw the needle, multi-query, continuation and speed contexts from your own documents: the "
+                   "UTF-8 .txt and .md files directly in DIR, not its subfolders (the memory builds keep the "
+                   "shipped pages) [default: the shipped CPython documentation pages].")
 @click.option("--device", type=click.Choice(_DEVICES), default="cpu", show_default=True, help="Where to run the model.")
 @_threads_option
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots (no matplotlib needed).")

@@ -148,13 +148,23 @@ def haystack_documents(folder=None) -> list[str]:
         shipped = Path(__file__).resolve().parent / "data" / "haystack"
         return [p.read_text(encoding="utf-8") for p in sorted(shipped.glob("*.txt"))]
     path = Path(folder)
+    if not path.exists():
+        raise InputError(f"haystack folder {str(path)!r} does not exist; give a folder of .txt or .md files")
     if not path.is_dir():
         raise InputError(f"haystack folder {str(path)!r} is not a directory; give a folder of .txt or .md files")
-    files = sorted(p for p in path.iterdir() if p.suffix.lower() in HAYSTACK_SUFFIXES and p.is_file())
+    try:
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in HAYSTACK_SUFFIXES and p.is_file())
+    except OSError as e:
+        raise InputError(f"haystack folder {str(path)!r} cannot be listed ({e.strerror or e}); check its "
+                         "permissions") from None
     if not files:
         raise InputError(f"haystack folder {str(path)!r} has no .txt or .md file directly in it; put your "
                          "documents there as UTF-8 text")
-    total = sum(p.stat().st_size for p in files)  # sizes before reading
+    try:
+        total = sum(p.stat().st_size for p in files)  # sizes before reading
+    except OSError as e:
+        raise InputError(f"haystack folder {str(path)!r}: a file cannot be read ({e}); check its permissions") \
+            from None
     if total > MAX_HAYSTACK_BYTES:
         raise InputError(f"haystack folder {str(path)!r} holds {total:,} bytes of .txt and .md files, over the "
                          f"{MAX_HAYSTACK_BYTES:,} a benchmark corpus may hold; give a folder with fewer documents")
@@ -165,6 +175,9 @@ def haystack_documents(folder=None) -> list[str]:
         except UnicodeDecodeError as e:
             raise InputError(f"haystack file {str(p)!r} is not UTF-8 text ({e.reason} at byte {e.start}); convert "
                              "it or move it out of the folder") from None
+        except OSError as e:
+            raise InputError(f"haystack file {str(p)!r} cannot be read ({e.strerror or e}); check its permissions "
+                             "or move it out of the folder") from None
     return out
 
 
@@ -187,7 +200,9 @@ def needle_context(tokenizer, n_tokens: int, facts: list[Fact], depths: list[flo
     else:
         from .errors import InputError
 
-        raise InputError(f"no passage of about {n_tokens} tokens in the haystack after {PASSAGE_TRIES} random "
-                         "paragraph starts; give longer documents or a shorter context length")
+        raise InputError(f"the haystack has no passage of about {n_tokens} tokens (a context is one stretch of "
+                         "text from one paragraph on); give longer documents, or ask for shorter contexts "
+                         "(kvpack bench: --lengths for the needle and speed tasks, --context-length for multi-query "
+                         "and continuation)")
     passage = tokenizer.decode(ids[: max(1, budget)])
     return plant_facts(passage, facts, depths)

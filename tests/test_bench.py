@@ -280,7 +280,14 @@ def test_haystack_folder_gives_the_contexts_and_bad_folders_are_refused(tmp_path
     assert "zebra" in doc.text and doc.text not in "\n\n".join(tasks.haystack_documents())
     ctx = multiquery_contexts(tok, 200, 2, 1, seed=3, documents=docs)[0]
     assert "zebra" in ctx.text and all(f.code in ctx.text for f in ctx.facts)
-    for bad, why in ((tmp_path / "missing", "not a directory"), (tmp_path, "no .txt or .md")):
+    (tmp_path / "file.txt").write_text("x", encoding="utf-8")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.rst").write_text("not read", encoding="utf-8")
+    (own / "sub").mkdir()  # only directly in the folder: a subfolder's files are not read
+    (own / "sub" / "b.txt").write_text("nested", encoding="utf-8")
+    assert tasks.haystack_documents(own) == docs
+    for bad, why in ((tmp_path / "missing", "does not exist"), (tmp_path / "file.txt", "not a directory"),
+                     (own / "sub" / "b.txt" / "x", "does not exist"), (tmp_path / "empty", "no .txt or .md")):
         with pytest.raises(InputError, match=why):
             tasks.haystack_documents(bad)
     (tmp_path / "latin1").mkdir()
@@ -295,6 +302,17 @@ def test_haystack_folder_gives_the_contexts_and_bad_folders_are_refused(tmp_path
     with pytest.raises(InputError, match="no passage of about 5000 tokens"):  # bounded, not an endless loop
         tasks.needle_context(tok, 5000, [tasks.random_fact(random.Random(0))], [0.5], random.Random(0),
                              ["too short"])
+    with pytest.raises(InputError, match="--context-length"):
+        continuation_docs(tok, 5000, 1, 16, documents=["too short"])
+    monkeypatch.undo()
+    import pathlib
+
+    def unreadable(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(pathlib.Path, "read_text", unreadable)
+    with pytest.raises(InputError, match="cannot be read"):
+        tasks.haystack_documents(own)
 
 
 def test_bench_cli_haystack_reaches_the_run_and_a_bad_one_exits_cleanly(tmp_path, monkeypatch):
@@ -308,4 +326,4 @@ def test_bench_cli_haystack_reaches_the_run_and_a_bad_one_exits_cleanly(tmp_path
     monkeypatch.undo()
     res = CliRunner().invoke(cli, ["bench", "--quick", "--no-plots", "--haystack", str(tmp_path / "nowhere"),
                                    "--out", str(tmp_path / "o")])
-    assert res.exit_code == 1 and "is not a directory" in res.output and "Traceback" not in res.output
+    assert res.exit_code == 1 and "does not exist" in res.output and "Traceback" not in res.output

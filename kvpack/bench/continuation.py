@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import tasks
+from ..errors import InputError
 from ..evaluation import cache_logprobs, target_nll
 from ..layout import chat_layout
 from .grid import Variant, build_variants, open_variant
@@ -52,7 +53,7 @@ def continuation_docs(tokenizer, length: int, docs: int, target_tokens: int = 25
     """``docs`` seeded passages, each starting at a random paragraph of the concatenated ``documents`` (default:
     ``tasks.haystack_documents()``, the shipped haystack).
 
-    Raises ``ValueError`` if the haystack has no passage of ``length + target_tokens + 1`` tokens.
+    Raises ``InputError`` if the haystack has no passage of ``length + target_tokens + 1`` tokens.
     """
     text = "\n\n".join(tasks.haystack_documents() if documents is None else documents)
     starts = [0] + [m.end() for m in re.finditer(r"\n\n", text)]
@@ -66,7 +67,9 @@ def continuation_docs(tokenizer, length: int, docs: int, target_tokens: int = 25
             if len(ids) >= need:
                 break
         else:
-            raise ValueError(f"no held-out passage of {need} tokens for the continuation task")
+            raise InputError(f"the haystack has no passage of {need} tokens for the continuation task (the "
+                             f"context's {length} tokens, then {target_tokens} to predict and one more); give longer "
+                             "documents or a shorter --context-length")
         out.append(ContinuationDoc(f"continuation/{length}/d{d}", tokenizer.decode(ids[:length]),
                                    tuple(ids[length:need]), length))
     return out

@@ -264,10 +264,12 @@ class AttentionMatchingParams(KVzipParams):
                                      "queries, half of each (kvzip+rms), or OMP (greedy mass matching; slower)",
                             flag="--select",
                             choices=SELECTIONS)
-    unfitted_selection: str = option("same", "what a KV head left unfitted (more kept entries than its fit queries / "
-                                             "--queries-per-entry) keeps: the entries --select chose (same), or "
-                                             "KVzip's top entries, which such a head uses as they are, as KVzip does "
-                                             "(kvpack's; the paper fits every head)", choices=UNFITTED_SELECTIONS)
+    unfitted_selection: str = option("same", "which entries a KV head keeps when it is left unfitted (it keeps more "
+                                             "entries than its fit queries divided by --queries-per-entry): those "
+                                             "--select chose (same), or KVzip's top-scored ones (kvzip), since the "
+                                             "head is used as it is, as in KVzip; only with --select other than "
+                                             "kvzip and --values fit (kvpack's; the paper fits every head)",
+                                     choices=UNFITTED_SELECTIONS)
     values: str = option("fit", "kept values fitted by least squares, copied, or D2O-merged", choices=VALUE_MODES)
     queries: int = option(8192, "reference queries per KV head", low=16, high=MAX_QUERIES)
     queries_per_entry: float = option(8.0, "a KV head is fitted only where its fit queries (--queries less the "
