@@ -134,7 +134,8 @@ PASSAGE_TRIES = 1000
 def haystack_documents(folder=None) -> list[str]:
     """The held-out documents of the retrieval and continuation tasks: the shipped ones (``folder=None``:
     ``kvpack/data/haystack``, PSF-licensed CPython docs, held out from the reference model's training), or the
-    ``*.txt`` and ``*.md`` files directly in ``folder`` (a path), sorted by name, read as UTF-8: your own documents.
+    ``*.txt`` and ``*.md`` files directly in ``folder`` (a path; links to files are followed), sorted by name, read
+    as UTF-8: your own documents.
 
     Raises:
         InputError: ``folder`` is not a directory, holds no such file, holds more than ``MAX_HAYSTACK_BYTES`` in
@@ -168,10 +169,17 @@ def haystack_documents(folder=None) -> list[str]:
     if total > MAX_HAYSTACK_BYTES:
         raise InputError(f"haystack folder {str(path)!r} holds {total:,} bytes of .txt and .md files, over the "
                          f"{MAX_HAYSTACK_BYTES:,} a benchmark corpus may hold; give a folder with fewer documents")
-    out = []
+    out, left = [], MAX_HAYSTACK_BYTES
     for p in files:
         try:
-            out.append(p.read_text(encoding="utf-8"))
+            with open(p, "rb") as f:  # at most what is left: a file may be larger than its size said
+                data = f.read(left + 1)
+            if len(data) > left:
+                raise InputError(f"haystack folder {str(path)!r} holds more than the {MAX_HAYSTACK_BYTES:,} bytes "
+                                 "of .txt and .md files a benchmark corpus may hold; give a folder with fewer "
+                                 "documents")
+            left -= len(data)
+            out.append(data.decode("utf-8"))
         except UnicodeDecodeError as e:
             raise InputError(f"haystack file {str(p)!r} is not UTF-8 text ({e.reason} at byte {e.start}); convert "
                              "it or move it out of the folder") from None

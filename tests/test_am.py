@@ -5,6 +5,7 @@ attention path and through save -> load -> generate, and the reference-query res
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 
 import pytest
@@ -471,7 +472,22 @@ def test_unfitted_selection_kvzip_keeps_kvzips_entries_in_the_heads_the_fit_leav
     assert torch.equal(chosen(queries_per_entry=1e6, unfitted_selection="kvzip"), kvzip_keep)
     assert torch.equal(chosen(queries_per_entry=1.0, unfitted_selection="kvzip"), chosen(queries_per_entry=1.0))
     assert torch.equal(chosen(queries_per_entry=1e6, unfitted_selection="kvzip", values="copy"), rms)
+    # a mix: with a threshold between the heads' counts, exactly the heads over it keep KVzip's entries
+    m = get_method("am", chunk_size=40, selection="rms", unfitted_selection="kvzip")
+    m.select(m.score(model, tok, full), 0.3, full)
+    counts = kvzip_keep.sum(dim=2)
+    n_fit = m._reference(0)[0].shape[1]
+    cut = (int(counts.min()) + int(counts.max())) / 2
+    assert int(counts.min()) < cut < int(counts.max())  # KVzip's split gives the heads different budgets here
+    m.queries_per_entry = n_fit / cut
+    unfitted = m._unfitted_heads(counts, kvzip_keep.shape[2])
+    assert 0 < int(unfitted.sum()) < unfitted.numel()
+    mixed = m.reselect_within_heads(kvzip_keep, full, None)
+    assert torch.equal(mixed[unfitted], kvzip_keep[unfitted]) and torch.equal(mixed[~unfitted], rms[~unfitted])
+    for i, h in itertools.product(range(counts.shape[0]), range(counts.shape[1])):  # the fit's own rule
+        assert bool(unfitted[i, h]) == (not m._fitted(int(counts[i, h]), kvzip_keep.shape[2], n_fit))
     inert = PARAMS["am"].inert
+    assert "unfitted_selection" in inert({**PARAMS["am"].defaults(), "on_policy": True})
     assert "unfitted_selection" in inert({**PARAMS["am"].defaults(), "selection": "kvzip"})
     assert "unfitted_selection" not in inert(PARAMS["am"].defaults())
     assert PARAMS["am"].recorded_defaults()["unfitted_selection"] == "same"

@@ -265,3 +265,6 @@ def test_bench_am_layer_splits():
     assert int(keep.sum()) == total
     assert keep.sum(dim=(1, 2))[1:].tolist() == [15, 15, 15]  # the floors; layer 0 takes the rest by score
     assert bool(keep[1:, :, -4:].all())  # the recent tokens come first within each layer's floor
+    for bad in ("lfloor2", "adakvx", "floor-0.5"):  # a share outside [0, 1] would keep more than asked
+        with pytest.raises(SystemExit, match="share in"):
+            bench_am.split_budget(scorer, scores, 0.1, None, bad)

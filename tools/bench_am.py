@@ -68,10 +68,19 @@ KVZIP_SELECT_SIDE = frozenset({"max_head_ratio"})
 
 def split_budget(scorer, scores: torch.Tensor, ratio: float, full, budget: str) -> torch.Tensor:
     """Keep mask ``[layers, kv_heads, tokens]`` with ``round(ratio x entries)`` entries split over heads as
-    ``budget`` says (module docstring): ``global``, ``head`` or ``floorF``; ``largest-full`` keeps more (a
-    diagnostic)."""
+    ``budget`` says (module docstring): ``global``, ``head``, ``floorF``, ``adakvF`` or ``lfloorF`` (``F`` in
+    [0, 1]); ``largest-full`` keeps more (a diagnostic). Exits with a message for another split."""
     layers, heads, n = scores.shape
     total = int(round(ratio * scores.numel()))
+    for prefix in ("lfloor", "adakv", "floor"):
+        if budget.startswith(prefix):
+            try:
+                share = float(budget[len(prefix):])
+            except ValueError:
+                share = float("nan")
+            if not 0.0 <= share <= 1.0:
+                raise SystemExit(f"--budgets: {budget!r} needs a share in [0, 1] after {prefix!r}, e.g. {prefix}0.25")
+            break
     if budget == "global":
         return scorer.select(scores, ratio, full)
     if budget == "largest-full":
@@ -197,13 +206,16 @@ def main() -> None:
     for name in variants:  # one KVzip scoring pass serves every variant: kvzip[...] or am[...] only
         if parse_method_spec(name)[0] not in ("kvzip", "am"):
             ap.error(f"--variants: {name!r} is neither a kvzip[...] nor an am[...] spec")
+    try:  # the haystack is read (and refused) before the model loads
+        documents = None if args.haystack is None else tasks.haystack_documents(args.haystack)
+    except kvpack.KvpackError as e:
+        raise SystemExit(f"error: {e}") from None
     model, tok = kvpack.load_model(args.model)
     from kvpack.fingerprint import model_fingerprint
 
     fingerprint = model_fingerprint(model, tok)
     results = {"command": " ".join(sys.argv), "continuation": [], "multiquery": [], "build_seconds": []}
     t0 = time.perf_counter()
-    documents = None if args.haystack is None else tasks.haystack_documents(args.haystack)
     for doc in continuation_docs(tok, args.cont_length, args.cont_docs, seed=args.seed, documents=documents):
         ref = fullcache_logprobs(model, tok, doc)
         ref_nll = target_nll(ref, doc.target_ids)

@@ -262,8 +262,9 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path = "bench-out", *, command: s
     ``kvpack.load``; every method sees the same contexts and questions (seeded by ``cfg.seed``).
 
     Raises:
-        InputError: an invalid config, an unreadable ``cfg.haystack`` folder (``kvpack.tasks.haystack_documents``)
-        or one without a passage as long as asked, matplotlib missing while ``cfg.plots``; ``PeerError`` (an ``InputError``)
+        InputError: an invalid config, an unreadable ``cfg.haystack`` folder (``kvpack.tasks.haystack_documents``;
+        a haystack without a passage as long as a task asks fails that task, recorded under ``failures``),
+        matplotlib missing while ``cfg.plots``; ``PeerError`` (an ``InputError``)
         when the kvpress environment cannot be made or its worker fails.
         ModelLoadError: the model cannot be loaded.
     """

@@ -250,6 +250,9 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             recorded as ``schedule_sha256``.
         recent: last context tokens every head keeps (in its budget), ``>= 0``.
         selection: ``"rms"`` (default), ``"kvzip"``, ``"kvzip+rms"`` or ``"omp"``.
+        unfitted_selection: ``"same"`` (default) or ``"kvzip"``: what a head the fit leaves as it is keeps, the
+            entries ``selection`` chose or KVzip's (``reselect_within_heads``; inert under ``selection="kvzip"``,
+            ``values`` other than ``"fit"`` and ``on_policy``).
         values: ``"fit"``, ``"copy"`` or ``"merge"``.
         queries: reference queries per KV head (fit + held out), ``16 .. 50,000`` (default 8,192).
         queries_per_entry: a head is fitted only where its fit queries number at least this many times its kept
@@ -450,30 +453,37 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         """Keep mask ``[compressed layers, kv_heads, context]`` bool with ``round(ratio x entries)`` entries: the
         per-head budgets of ``budgets`` (``kvpack.methods.budgets.split``: ``global``, ``global-capped`` and
         ``schedule`` capped at ``max_head_ratio``, ``uniform``) over KVzip's scores with the last ``recent``
-        tokens of every head first, then within each head KVzip's top scores, or ``reselect_within_heads`` (with
-        ``unfitted_selection="kvzip"``, except in the heads the fit will leave as they are, which keep KVzip's top
-        scores: ``_unfitted_heads``)."""
+        tokens of every head first, then within each head KVzip's top scores, or ``reselect_within_heads``."""
         scores = protect_recent(scores.detach().float().cpu().nan_to_num(nan=float("-inf")), self.recent)
         fractions = None if self._schedule is None else self._schedule.fractions
         keep = split(scores, int(round(ratio * scores.numel())), self.budgets, self.max_head_ratio, fractions,
                      self.head_floor)
-        if self.selection == "kvzip":
-            return keep
-        chosen = self.reselect_within_heads(keep, prefill, scores)
-        if self.unfitted_selection == "kvzip" and self.values == "fit":  # heads the fit leaves keep KVzip's entries
+        return keep if self.selection == "kvzip" else self.reselect_within_heads(keep, prefill, scores)
+
+    def _unfitted_heads(self, counts: torch.Tensor, context: int) -> torch.Tensor:
+        """``[compressed layers, kv_heads]`` bool: the heads keeping ``counts`` (``[compressed layers, kv_heads]``
+        int) of their ``context`` entries that ``_fitted`` (the same rule, in float64) says the fit leaves as they
+        are: more entries than their fit queries divided by ``queries_per_entry`` (a head keeping nothing or
+        everything is the same under any selection). Off-policy pools only (``unfitted_selection`` is inert
+        with ``on_policy``, whose fit pools differ)."""
+        n_fit = torch.tensor([self._reference(i)[0].shape[1] for i in range(counts.shape[0])],
+                             dtype=torch.float64)[:, None]
+        return (counts > 0) & (counts < context) & (counts.double() * self.queries_per_entry > n_fit)
+
+    def reselect_within_heads(self, keep: torch.Tensor, prefill: Prefill, scores: torch.Tensor | None = None
+                              ) -> torch.Tensor:
+        """``keep`` (``[compressed layers, kv_heads, context]`` bool, KVzip's choice within each head's budget)
+        with each head's entries re-chosen by ``selection`` (``_reselect``), except, with
+        ``unfitted_selection="kvzip"`` (and ``values="fit"``, off-policy), in the heads the fit will leave as they
+        are (``_unfitted_heads``), which keep ``keep``'s. Raises as ``_reselect``."""
+        chosen = self._reselect(keep, prefill, scores)
+        if self.unfitted_selection == "kvzip" and self.values == "fit" and not self.on_policy:
             unfitted = self._unfitted_heads(keep.sum(dim=2), keep.shape[2])
             chosen[unfitted] = keep[unfitted]
         return chosen
 
-    def _unfitted_heads(self, counts: torch.Tensor, context: int) -> torch.Tensor:
-        """``[compressed layers, kv_heads]`` bool: the heads keeping ``counts`` (``[compressed layers, kv_heads]``)
-        of their ``context`` entries that ``_fitted`` says the fit leaves as they are (more entries than their fit
-        queries / ``queries_per_entry``; a head keeping nothing or everything is the same under any selection)."""
-        n_fit = torch.tensor([self._reference(i)[0].shape[1] for i in range(counts.shape[0])])[:, None]
-        return (counts > 0) & (counts < context) & (counts * self.queries_per_entry > n_fit)
-
-    def reselect_within_heads(self, keep: torch.Tensor, prefill: Prefill, scores: torch.Tensor | None = None
-                              ) -> torch.Tensor:
+    def _reselect(self, keep: torch.Tensor, prefill: Prefill, scores: torch.Tensor | None = None
+                  ) -> torch.Tensor:
         """``keep`` ``[compressed layers, kv_heads, context]`` bool with each head's count unchanged and its entries
         re-chosen by the highest RMS attention over the reference queries (``selection="rms"``, the paper's
         ``score_method="rms"``), by OMP (``"omp"``, ``kvpack.methods.am_omp``), or half by KVzip's ``scores``

@@ -251,7 +251,8 @@ class AttentionMatchingParams(KVzipParams):
     # "Issue 28, thirty-second session"); packs from before it read as 0
     head_floor: float = option(0.25, "share of the even per-head budget every head keeps first (its recent tokens "
                                      "included) before --budgets global or global-capped splits the rest by score "
-                                     "(0: none; Ada-KV's safeguard, arXiv 2407.11550; not in the AM paper)", low=0.0, high=1.0)
+                                     "(0: none; Ada-KV's safeguard, arXiv 2407.11550; not in the AM paper)",
+                               low=0.0, high=1.0)
     schedule: str | None = option(None, "per-(layer, KV head) budget fractions for --budgets schedule (a "
                                         "kvpack.schedule safetensors file of this model)", metavar="FILE")
     score_queries: str = option("repeat", "whose queries score the context entries for the split over heads and "
@@ -264,12 +265,12 @@ class AttentionMatchingParams(KVzipParams):
                                      "queries, half of each (kvzip+rms), or OMP (greedy mass matching; slower)",
                             flag="--select",
                             choices=SELECTIONS)
-    unfitted_selection: str = option("same", "which entries a KV head keeps when it is left unfitted (it keeps more "
-                                             "entries than its fit queries divided by --queries-per-entry): those "
-                                             "--select chose (same), or KVzip's top-scored ones (kvzip), since the "
-                                             "head is used as it is, as in KVzip; only with --select other than "
-                                             "kvzip and --values fit (kvpack's; the paper fits every head)",
-                                     choices=UNFITTED_SELECTIONS)
+    unfitted_selection: str = option("same", "which entries a KV head keeps when it is left unfitted (it keeps "
+                                             "more entries than its fit queries divided by --queries-per-entry): "
+                                             "those --select chose (same), or KVzip's top-scored ones (kvzip), since "
+                                             "the head is used as it is, as in KVzip; only with --select other than "
+                                             "kvzip, --values fit and no --on-policy (kvpack's; the paper fits "
+                                             "every head)", choices=UNFITTED_SELECTIONS)
     values: str = option("fit", "kept values fitted by least squares, copied, or D2O-merged", choices=VALUE_MODES)
     queries: int = option(8192, "reference queries per KV head", low=16, high=MAX_QUERIES)
     queries_per_entry: float = option(8.0, "a KV head is fitted only where its fit queries (--queries less the "
@@ -327,18 +328,19 @@ class AttentionMatchingParams(KVzipParams):
 
     @classmethod
     def inert(cls, params: dict) -> dict[str, str]:
-        """The cap outside capped splits; the fit's guards and ridge under the ridge search (which chooses among its
-        own fits); the self-study settings without self-study queries (the seed and count with greedy answers);
-        the sampled continuation's length without it (``AttentionMatching``'s docstring says where each is
-        read)."""
+        """The cap outside capped splits; the floor outside global splits; ``unfitted_selection`` under KVzip's
+        selection, unfitted values or on-policy queries; the fit's guards and ridge under the ridge search (which
+        chooses among its own fits); the self-study settings without self-study queries (the seed and count with
+        greedy answers); the sampled continuation's length without it (``AttentionMatching``'s docstring says where
+        each is read)."""
         out = {}
         if params.get("budgets") not in ("global-capped", "schedule"):
             out["max_head_ratio"] = "it caps only --budgets global-capped and schedule"
         if params.get("budgets") not in ("global", "global-capped"):
             out["head_floor"] = "it applies only to --budgets global and global-capped"
-        if params.get("selection") == "kvzip" or params.get("values") != "fit":
+        if params.get("selection") == "kvzip" or params.get("values") != "fit" or params.get("on_policy") is True:
             out["unfitted_selection"] = ("it applies only where --select is not kvzip and --values fit leaves some "
-                                         "heads unfitted")
+                                         "heads unfitted, off-policy")
         if params.get("ridge_search") is True and params.get("values") == "fit":
             for k in ("value_bound", "held_out_check", "ridge", "ridge_to"):
                 out[k] = "--ridge-search chooses each head's fit on validation queries instead"
