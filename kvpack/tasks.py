@@ -172,7 +172,7 @@ def haystack_documents(folder=None) -> list[str]:
     out, left = [], MAX_HAYSTACK_BYTES
     for p in files:
         try:
-            with open(p, "rb") as f:  # at most what is left: a file may be larger than its size said
+            with p.open("rb") as f:  # at most what is left: a file may be larger than its size said
                 data = f.read(left + 1)
             if len(data) > left:
                 raise InputError(f"haystack folder {str(path)!r} holds more than the {MAX_HAYSTACK_BYTES:,} bytes "

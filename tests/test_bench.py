@@ -310,7 +310,7 @@ def test_haystack_folder_gives_the_contexts_and_bad_folders_are_refused(tmp_path
     def unreadable(self, *args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(pathlib.Path, "read_text", unreadable)
+    monkeypatch.setattr(pathlib.Path, "open", unreadable)
     with pytest.raises(InputError, match="cannot be read"):
         tasks.haystack_documents(own)
 
