@@ -280,7 +280,8 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path = "bench-out", *, command: s
     est = estimate_seconds(cfg, scale)
     log(f"kvpack bench: {len(cfg.variants())} variants ({', '.join(cfg.methods)} x ratios "
         f"{', '.join(f'{r:g}' for r in cfg.ratios)} x quant {', '.join(cfg.quants)}"
-        + (f"; multi-query adds query-aware {', '.join(cfg.query_aware)}" if cfg.query_aware else "")
+        + (f"; multi-query adds query-aware {', '.join(cfg.query_aware)}"
+           if cfg.query_aware and "multiquery" in cfg.tasks else "")
         + f"); tasks {', '.join(cfg.tasks)}"
         + (f"; peer {cfg.peer}" if cfg.peer else "") + f"; estimated {est['total'] / 60:.1f} min "
         f"({', '.join(f'{k} {v:.0f} s' for k, v in est.items() if k != 'total')}; cost model x{scale:.1f} "
