@@ -304,6 +304,18 @@ def test_haystack_folder_gives_the_contexts_and_bad_folders_are_refused(tmp_path
                              ["too short"])
     with pytest.raises(InputError, match="--context-length"):
         continuation_docs(tok, 5000, 1, 16, documents=["too short"])
+    # when the random starts all miss (here: none are tried), the ordered scan still finds a passage: the first
+    # paragraph start, in order, that leads to one long enough
+    short_then_long = ["a\n\nb\n\n" + words]
+    monkeypatch.setattr(tasks, "PASSAGE_TRIES", 0)
+    doc = continuation_docs(tok, 200, 1, 16, seed=0, documents=short_then_long)[0]
+    assert doc.text.startswith("a")  # start 0 already reaches far enough into the long paragraph
+    assert "zebra" in tasks.needle_context(tok, 200, [tasks.random_fact(random.Random(1))], [0.5], random.Random(1),
+                                           short_then_long)
+    assert tasks.first_long_passage(tok, short_then_long[0], [0, 3, 6], 10**6, 100) == []
+    with pytest.raises(InputError, match="--context-length"):
+        continuation_docs(tok, 200, 1, 16, documents=["too short"])
+    monkeypatch.undo()
     monkeypatch.undo()
     import pathlib
 

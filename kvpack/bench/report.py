@@ -118,7 +118,8 @@ def markdown(results: dict) -> str:
     cont = results.get("continuation")
     if cont and cont.get("summary"):
         lines += ["## Continuation", "",
-                  f"{cfg['cont_docs']} held-out passage(s): context = first {cfg['cont_length']} tokens, target = "
+                  f"{cfg['cont_docs']} {'held-out' if not cfg.get('haystack') else '--haystack'} passage(s): "
+                  f"context = first {cfg['cont_length']} tokens, target = "
                   f"the next {cfg['cont_target']} tokens, teacher-forced. ΔNLL = NLL(compressed) - NLL(full), "
                   "nats/token; KL = mean KL(full || compressed) of the next-token distributions, nats.", ""]
         rows = [_variant_cells(s["variant"]) + [_num(s["nll"], "{:.3f}"), _num(s["delta_nll"], "{:+.3f}"),

@@ -300,6 +300,12 @@ def run_bench(cfg: BenchConfig, out_dir: str | Path = "bench-out", *, command: s
         "environment": _environment(model, cfg.threads), "variants": [v.to_dict() for v in cfg.variants()],
         "estimate_s": est,
     }
+    if documents is not None:  # which text the contexts came from: enough to tell two runs' haystacks apart
+        import hashlib
+
+        joined = "\n\n".join(documents).encode("utf-8")
+        results["haystack"] = {"folder": str(cfg.haystack), "documents": len(documents), "bytes": len(joined),
+                               "sha256": hashlib.sha256(joined).hexdigest()}
     kw = dict(chunk_size=cfg.chunk_size, group_size=cfg.group_size, zstd_level=cfg.zstd_level)
     timings: dict[str, float] = {}
     failures: dict[str, str] = {}  # task -> why it failed; the other tasks still run
