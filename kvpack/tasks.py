@@ -166,18 +166,19 @@ def haystack_documents(folder=None) -> list[str]:
     except OSError as e:
         raise InputError(f"haystack folder {str(path)!r}: a file cannot be read ({e}); check its permissions") \
             from None
+    def too_large(held: str) -> InputError:
+        return InputError(f"haystack folder {str(path)!r} holds {held} bytes of .txt and .md files, over the "
+                          f"{MAX_HAYSTACK_BYTES:,} a benchmark corpus may hold; give a folder with fewer documents")
+
     if total > MAX_HAYSTACK_BYTES:
-        raise InputError(f"haystack folder {str(path)!r} holds {total:,} bytes of .txt and .md files, over the "
-                         f"{MAX_HAYSTACK_BYTES:,} a benchmark corpus may hold; give a folder with fewer documents")
+        raise too_large(f"{total:,}")
     out, left = [], MAX_HAYSTACK_BYTES
     for p in files:
         try:
             with p.open("rb") as f:  # at most what is left: a file may be larger than its size said
                 data = f.read(left + 1)
             if len(data) > left:
-                raise InputError(f"haystack folder {str(path)!r} holds more than the {MAX_HAYSTACK_BYTES:,} bytes "
-                                 "of .txt and .md files a benchmark corpus may hold; give a folder with fewer "
-                                 "documents")
+                raise too_large("more")
             left -= len(data)
             out.append(data.decode("utf-8"))
         except UnicodeDecodeError as e:
@@ -200,6 +201,20 @@ def first_long_passage(tokenizer, text: str, starts: list[int], tokens: int, cha
     return []
 
 
+def find_passage(tokenizer, text: str, starts: list[int], tokens: int, chars: int, rng: random.Random
+                 ) -> list[int]:
+    """Token ids of ``text[start : start + chars]`` for a start drawn from ``starts`` (paragraph starts) by ``rng``
+    that encodes to at least ``tokens`` tokens, tried ``PASSAGE_TRIES`` times, then ``first_long_passage`` (at
+    least one token); shorter ids (possibly ``[]``) when no start gives that many. Raises nothing of its own."""
+    for _ in range(PASSAGE_TRIES):
+        start = rng.choice(starts)
+        ids = tokenizer.encode(text[start : start + chars], add_special_tokens=False)
+        if len(ids) >= tokens:
+            return ids
+    # few starts lead to a passage this long: the first that does, in order (never with the shipped pages)
+    return first_long_passage(tokenizer, text, starts, max(1, tokens), chars)
+
+
 def needle_context(tokenizer, n_tokens: int, facts: list[Fact], depths: list[float], rng: random.Random,
                    documents: list[str] | None = None) -> str:
     """A held-out passage of about ``n_tokens`` tokens (facts included) with ``facts`` planted at ``depths``.
@@ -211,13 +226,7 @@ def needle_context(tokenizer, n_tokens: int, facts: list[Fact], depths: list[flo
     text = "\n\n".join(haystack_documents() if documents is None else documents)
     paragraph_starts = [0] + [m.end() for m in re.finditer(r"\n\n", text)]
     budget = n_tokens - sum(len(tokenizer.encode(" " + fact_sentence(f), add_special_tokens=False)) for f in facts)
-    for _ in range(PASSAGE_TRIES):
-        start = rng.choice(paragraph_starts)
-        ids = tokenizer.encode(text[start : start + 8 * n_tokens], add_special_tokens=False)
-        if len(ids) >= budget:
-            break
-    else:  # few starts lead to a passage this long: the first that does, in order (never with the shipped pages)
-        ids = first_long_passage(tokenizer, text, paragraph_starts, max(1, budget), 8 * n_tokens)
+    ids = find_passage(tokenizer, text, paragraph_starts, budget, 8 * n_tokens, rng)
     if len(ids) < budget:
         from .errors import InputError
 

@@ -72,41 +72,34 @@ def split_budget(scorer, scores: torch.Tensor, ratio: float, full, budget: str) 
     [0, 1]); ``largest-full`` keeps more (a diagnostic). Exits with a message for another split."""
     layers, heads, n = scores.shape
     total = int(round(ratio * scores.numel()))
-    for prefix in ("lfloor", "adakv", "floor"):
-        if budget.startswith(prefix):
-            try:
-                share = float(budget[len(prefix):])
-            except ValueError:
-                share = float("nan")
-            if not 0.0 <= share <= 1.0:
-                raise SystemExit(f"--budgets: {budget!r} needs a share in [0, 1] after {prefix!r}, e.g. {prefix}0.25")
-            break
     if budget == "global":
         return scorer.select(scores, ratio, full)
     if budget == "largest-full":
         keep = scorer.select(scores, ratio, full).clone()
         keep.view(layers * heads, n)[int(keep.sum(dim=2).flatten().argmax())] = True
         return keep
-    if budget.startswith(("adakv", "lfloor")):
-        protected = protect_recent(scores.detach().float().cpu(), getattr(scorer, "recent", 0))
-        shares = split_evenly(total, layers)
-        if budget.startswith("adakv"):
-            return torch.cat([capped_top_k(protected[i:i + 1], int(shares[i]), 1.0, float(budget[5:]))
-                              for i in range(layers)])
-        floors = (float(budget[6:]) * shares.double()).floor().long()
-        keep = torch.cat([capped_top_k(protected[i:i + 1], int(floors[i])) for i in range(layers)]).flatten()
-        rest = protected.flatten().masked_fill(keep, float("-inf"))
-        keep[rest.argsort(descending=True, stable=True)[: total - int(keep.sum())]] = True
-        return keep.view(scores.shape)
-    flat = scores.detach().float().reshape(layers * heads, n)
     if budget == "head":
+        flat = scores.detach().float().reshape(layers * heads, n)
         return top_k_rows(flat, split_evenly(total, layers * heads)).view(scores.shape)
-    if not budget.startswith("floor"):
+    kind = next((k for k in ("lfloor", "adakv", "floor") if budget.startswith(k)), None)
+    if kind is None:
         raise SystemExit(f"--budgets: unknown split {budget!r} (global, head, floorF, adakvF, lfloorF or "
                          "largest-full)")
-    floor = min(n, int(float(budget[5:]) * total / (layers * heads)))
-    keep = top_k_rows(flat, torch.full((layers * heads,), floor, dtype=torch.int64)).flatten()
-    rest = flat.flatten().masked_fill(keep, float("-inf"))
+    try:
+        share = float(budget[len(kind):])
+    except ValueError:
+        share = float("nan")
+    if not 0.0 <= share <= 1.0:
+        raise SystemExit(f"--budgets: {budget!r} needs a share in [0, 1] after {kind!r}, e.g. {kind}0.25")
+    if kind == "floor":  # the method's head floor, without its recent tokens first
+        return capped_top_k(scores, total, 1.0, share)
+    protected = protect_recent(scores.detach().float().cpu(), getattr(scorer, "recent", 0))
+    shares = split_evenly(total, layers)
+    if kind == "adakv":
+        return torch.cat([capped_top_k(protected[i:i + 1], int(shares[i]), 1.0, share) for i in range(layers)])
+    floors = (share * shares.double()).floor().long()
+    keep = torch.cat([capped_top_k(protected[i:i + 1], int(floors[i])) for i in range(layers)]).flatten()
+    rest = protected.flatten().masked_fill(keep, float("-inf"))
     keep[rest.argsort(descending=True, stable=True)[: total - int(keep.sum())]] = True
     return keep.view(scores.shape)
 

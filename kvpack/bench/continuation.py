@@ -61,13 +61,7 @@ def continuation_docs(tokenizer, length: int, docs: int, target_tokens: int = 25
     out = []
     for d in range(docs):
         rng = random.Random(f"kvpack-bench/continuation/{seed}/{length}/{d}")
-        for _ in range(tasks.PASSAGE_TRIES):
-            start = rng.choice(starts)
-            ids = tokenizer.encode(text[start : start + 8 * need], add_special_tokens=False)
-            if len(ids) >= need:
-                break
-        else:  # few starts lead to a passage this long: the first that does, in order
-            ids = tasks.first_long_passage(tokenizer, text, starts, need, 8 * need)
+        ids = tasks.find_passage(tokenizer, text, starts, need, 8 * need, rng)
         if len(ids) < need:
             raise InputError(f"the haystack has no passage of {need} tokens for the continuation task (the "
                              f"context's {length} tokens, then {target_tokens} to predict and one more); give longer "
