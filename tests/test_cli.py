@@ -245,7 +245,7 @@ def test_python_dash_m_and_version():
      "method\\s+am \\(.*queries=64, queries_per_entry=8.0, recent=16, reference=prefill, .*values=fit, weights=share\\)"),
     (["--method", "am", "--queries", "64"],
      "method\\s+am \\(.*reference=self-study\\+repeat, refine_steps=0, ridge_search=True, schedule=None, score_queries=repeat, .*values=fit, "
-     "weights=uniform\\)\n  unused here\\s+continue_tokens, held_out_check, max_head_ratio, refine_batch, ridge, "
+     "weights=uniform\\)\n  unused here\\s+continue_tokens, held_out_check, max_head_ratio, refine_batch, refine_lr, refine_move, ridge, "
      "ridge_to, value_bound$"),
     (["--method", "am", "--ridge", "1", "--ridge-to", "selected", "--queries", "64", "--no-ridge-search"],
      "method\\s+am \\(.*ridge=1.0, ridge_search=False, ridge_to=selected, .*values=fit, weights=uniform\\)"),

@@ -303,6 +303,10 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             ``ridge_search`` and ``values="fit"``.
         refine_batch: reference queries per refinement step, a fresh slice of a fixed permutation each step
             (default 1,024; 0: all of them every step).
+        refine_move: what the refinement moves (``am_refine.REFINE_MOVES``): ``"keys+beta+values"`` (default) or
+            ``"keys"``, the biases and values staying at the closed form's.
+        refine_lr: Adam's step (default ``am_refine.REFINE_LR``, 0.005), in units of the kept keys' (and values')
+            RMS, in logits for beta.
         weights: ``"uniform"`` (default, the paper's) or ``"share"``: each reference query's rows of the fit
             weighted by the share of its attention over ``[sink, context]`` that falls on the context
             (``am_fit.context_share``; kvpack's), so queries resting on the attention sink no longer drive it.
@@ -713,6 +717,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         full = full_output(queries, target, lse, keys[:sink], values[:sink], scaling)
         rk, rb, rv, _, _ = refine_head(k_ctx[kept], beta, new_values.to(keys.device), queries, full, keys[:sink],
                                        values[:sink], scaling, self.refine_steps, batch=self.refine_batch,
+                                       lr=self.refine_lr, move=self.refine_move,
                                        measure=False)
         if not bool(torch.isfinite(rk).all() and torch.isfinite(rv).all()) or \
                 float(rv.abs().max()) > C.MAX_KV_ABS or float(rk.abs().max()) > C.MAX_KV_ABS:

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["REFINE_LR", "BETA_BOUND", "full_output", "refine_head"]
+from .params import REFINE_LR, REFINE_MOVES
 
-#: Adam's step size, in units of the keys' and values' own RMS (and in logits for beta).
-REFINE_LR = 0.005
+__all__ = ["REFINE_LR", "REFINE_MOVES", "BETA_BOUND", "full_output", "refine_head"]
+
 #: beta stays within +-this after each step, or within its starting range where that is wider (the loader's bound,
 #: ``kvpack.constants.MAX_ATTN_BIAS``, is 30; AM-OMP's betas start within [-27.6, 7]).
 BETA_BOUND = 10.0
@@ -54,11 +54,12 @@ def full_output(queries: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, 
 def refine_head(keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
                 full: torch.Tensor, sink_keys: torch.Tensor, sink_values: torch.Tensor, scaling: float, steps: int,
                 lr: float = REFINE_LR, batch: int = 0, seed: int = 0, beta_bound: float = BETA_BOUND,
-                measure: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float]:
+                measure: bool = True, move: str = "keys+beta+values") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float]:
     """``steps`` Adam steps on one head's kept ``keys`` ``[t, d]``, ``beta`` ``[t]`` and ``values`` ``[t, dv]``
     (module docstring: kvpack's refinement of the closed form of arXiv 2602.16284 §3) against ``full`` ``[n, dv]``
     (``full_output``) for ``queries`` ``[n, d]``, with the sink's ``sink_keys`` ``[s, d]`` and ``sink_values``
-    ``[s, dv]`` held fixed; ``lr`` in units of the keys' and values' RMS (logits for beta).
+    ``[s, dv]`` held fixed; ``lr`` in units of the keys' and values' RMS (logits for beta). ``move``
+    (``REFINE_MOVES``): ``"keys"`` moves the keys alone, ``beta`` and ``values`` returned as given.
 
     ``batch``: each step's queries, a fresh slice of a permutation of the ``n`` (drawn from ``seed``), when ``0 <
     batch < n``; else every query each step. Returns ``(keys, beta, values, loss_before, loss_after)``: the tensors
@@ -66,7 +67,9 @@ def refine_head(keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor, qu
     returned iterate (the best measured: with all queries each step, the best step's; with batches, the last step's
     or the start's, whichever is lower). With batches and ``measure=False`` the last step's iterate is returned
     unmeasured (both losses NaN), which saves two passes over all ``n`` queries: ``AttentionMatching`` validates it
-    on other queries anyway. Raises nothing of its own."""
+    on other queries anyway. Raises ``ValueError`` for a ``move`` not in ``REFINE_MOVES``."""
+    if move not in REFINE_MOVES:
+        raise ValueError(f"refine_head: move must be one of {REFINE_MOVES}, got {move!r}")
     with torch.inference_mode(False), torch.enable_grad():
         q = queries.float().clone()
         ref = full.float().clone()
@@ -75,13 +78,14 @@ def refine_head(keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor, qu
         ks = k0.square().mean().sqrt().clamp_min(1e-6)
         vs = v0.square().mean().sqrt().clamp_min(1e-6)
         dk = torch.zeros_like(k0, requires_grad=True)
-        dv = torch.zeros_like(v0, requires_grad=True)
-        b = b0.clone().requires_grad_(True)
+        every = move == "keys+beta+values"
+        dv = torch.zeros_like(v0, requires_grad=every)
+        b = b0.clone().requires_grad_(every)
         # beta's box: +-beta_bound, widened to hold the start (AM-OMP's clamped weights go down to log 1e-12)
         low = min(-beta_bound, float(b0.min())) if b0.numel() else -beta_bound
         high = max(beta_bound, float(b0.max())) if b0.numel() else beta_bound
         sink_logits = (q @ sk.T) * scaling  # [n, s], fixed
-        opt = torch.optim.Adam([dk, dv, b], lr=lr)
+        opt = torch.optim.Adam([dk, dv, b] if every else [dk], lr=lr)
         n = q.shape[0]
         batched = 0 < batch < n
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)) if batched else None
@@ -113,8 +117,9 @@ def refine_head(keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor, qu
                     best = snapshot(float(loss.detach()))
             loss.backward()
             opt.step()
-            with torch.no_grad():
-                b.clamp_(low, high)
+            if every:
+                with torch.no_grad():
+                    b.clamp_(low, high)
         if batched and not measure:
             return *snapshot(float("nan"))[1:], first, float("nan")
         with torch.no_grad():

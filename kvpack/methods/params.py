@@ -32,6 +32,7 @@ __all__ = ["Option", "option", "MethodParams", "PARAMS", "CommandLineOption", "c
            "parameter_types", "parse_value", "SCOPES", "SCORINGS", "MERGE_MODES", "SELECTIONS",
            "UNFITTED_SELECTIONS", "VALUE_MODES",
            "REFERENCES", "SHIFTS", "RIDGE_TARGETS", "FIT_WEIGHTS", "BUDGETS", "SCORE_QUERIES", "MAX_QUERIES",
+           "REFINE_MOVES", "REFINE_LR",
            "check_int", "check_float", "check_choice", "check_bool"]
 
 #: The top-k scopes of ``Method.select`` (``budget``): one top-k over everything, per layer, per KV head.
@@ -62,6 +63,12 @@ SCORE_QUERIES = ("repeat", "reference")
 MAX_QUERIES = 50_000
 #: Most ``--refine-steps`` (Attention Matching's gradient refinement).
 MAX_REFINE_STEPS = 10_000
+#: What the refinement moves (``refine_move``; ``kvpack.methods.am_refine``): the kept keys alone (the biases and
+#: values stay the closed form's), or the keys, biases and values together.
+REFINE_MOVES = ("keys", "keys+beta+values")
+#: The refinement's Adam step before ``refine_lr`` existed (issue 28's thirty-first session), in units of the kept
+#: keys' and values' RMS (logits for beta).
+REFINE_LR = 0.005
 #: Largest self-study sampling temperature accepted (above it the answers are noise) and largest seed (the
 #: generators' seeds, ``seed * 1,000,003 + prompt``, stay within a 64-bit integer).
 MAX_TEMPERATURE, MAX_SEED = 100.0, 2**32 - 1
@@ -239,7 +246,9 @@ class AttentionMatchingParams(KVzipParams):
                                                # no refinement before issue 28's thirty-first session
                                                "refine_steps": 0,
                                                # no floor before issue 28's thirty-second session
-                                               "head_floor": 0.0, "unfitted_selection": "same"}
+                                               "head_floor": 0.0, "unfitted_selection": "same",
+                                               # the refinement moved everything before issue 28's 34th session
+                                               "refine_move": "keys+beta+values", "refine_lr": REFINE_LR}
     max_head_ratio: float = option(0.75, "most of a KV head's own context entries it may keep with --budgets "
                                          "global-capped or schedule (the paper's --max-ratio-per-head)",
                                    low=0.0, high=1.0)
@@ -322,6 +331,11 @@ class AttentionMatchingParams(KVzipParams):
                                   "paper's)", low=0, high=MAX_REFINE_STEPS)
     refine_batch: int = option(1024, "reference queries per --refine-steps step, a fresh slice of a fixed "
                                   "permutation each step (0: all of them every step)", low=0, high=MAX_QUERIES)
+    refine_move: str = option("keys+beta+values", "what --refine-steps moves: the kept keys, biases and values "
+                                                  "together, or the keys alone (the biases and values stay the "
+                                                  "closed form's)", choices=REFINE_MOVES)
+    refine_lr: float = option(REFINE_LR, "Adam's step of --refine-steps, in units of the kept keys' (and "
+                                         "values') RMS", low=1e-6, high=1.0)
     weights: str = option("uniform", "how the fit weighs each reference query: alike (the paper's), or by the share "
                                      "of its attention on the context rather than the attention sink (kvpack's)",
                           flag="--fit-weights", choices=FIT_WEIGHTS)
@@ -348,8 +362,9 @@ class AttentionMatchingParams(KVzipParams):
             why = ("it refines the candidate --ridge-search chooses, kept only where the validation queries agree: "
                    "it needs --ridge-search and --values fit")
             out["refine_steps"] = out["refine_batch"] = why
+            out["refine_move"] = out["refine_lr"] = why
         elif not params.get("refine_steps"):
-            out["refine_batch"] = "it applies only to --refine-steps"
+            out["refine_batch"] = out["refine_move"] = out["refine_lr"] = "it applies only to --refine-steps"
         if params.get("reference") not in ("self-study", "self-study+repeat"):
             for k in ("self_study_tokens", "self_study_temperature", "self_study_seed", "self_study_samples"):
                 out[k] = "it applies only to --reference self-study and self-study+repeat"
@@ -397,6 +412,9 @@ class AttentionMatchingParams(KVzipParams):
         if self.refine_steps > MAX_REFINE_STEPS or self.refine_batch > MAX_QUERIES:
             raise InputError(f"am: refine_steps (--refine-steps) must be <= {MAX_REFINE_STEPS} and refine_batch "
                              f"(--refine-batch) <= {MAX_QUERIES}, got {self.refine_steps!r} and {self.refine_batch!r}")
+        check_choice(self.name, "refine_move", self.refine_move, REFINE_MOVES)
+        check_float(self.name, "refine_lr", self.refine_lr, 1e-6, 1.0)
+        self.refine_lr = float(self.refine_lr)
         check_choice(self.name, "values", self.values, VALUE_MODES)
         check_int(self.name, "queries", self.queries, 16)
         check_float(self.name, "queries_per_entry", self.queries_per_entry, 1.0, 1e6)
