@@ -113,3 +113,57 @@ def test_refined_beta_stays_in_its_box_widened_to_its_start():
                                 lr=0.5)
     assert float(b.min()) >= -27.0 and float(b.max()) <= BETA_BOUND < MAX_ATTN_BIAS
     assert float(b[1:].min()) < 0 or float(b[1:].max()) > 0  # the others moved
+
+
+def test_refine_move_keys_leaves_beta_and_values_at_the_closed_form():
+    K, V, Q, sink, kept, fit, full = _fitted(4)
+    args = (K[sink + kept], fit.beta, fit.values, Q, full, K[:sink], V[:sink], SCALING, 60)
+    k, b, v, before, after = refine_head(*args, lr=0.02, move="keys")
+    assert torch.equal(b, fit.beta.float()) and torch.equal(v, fit.values.float())  # as given
+    assert not torch.equal(k, K[sink + kept])
+    assert after < 0.9 * before and abs(after - _loss(Q, K, V, sink, k, b, v, SCALING)) < 1e-5
+    # the default moves all three
+    k2, b2, v2, _, _ = refine_head(*args, lr=0.02)
+    assert not torch.equal(b2, fit.beta.float()) and not torch.equal(v2, fit.values.float())
+    try:
+        refine_head(*args, move="values")
+    except ValueError as e:
+        assert "keys+beta+values" in str(e)
+    else:
+        raise AssertionError("refine_head accepted move='values'")
+
+
+def test_a_pack_refined_by_its_keys_alone_keeps_the_fitted_values():
+    model, tok = tiny_model("llama")
+    kw = dict(kv_dtype="float32", method="am", ratio=0.3, chunk_size=40, ridge_search=True)
+    plain = kvpack.compress(model, tok, TEXT, **kw)
+    keys_only = kvpack.compress(model, tok, TEXT, refine_steps=40, refine_move="keys", refine_lr=0.02, **kw)
+    chosen = keys_only.metadata["stats"]["fit"]["ridge_search"]
+    assert chosen.get("refined", 0) > 0
+    assert keys_only.metadata["method_params"]["refine_move"] == "keys"
+    for a, b in zip(plain.layers, keys_only.layers):  # values and biases as the closed form left them, head by head
+        assert torch.equal(a.values, b.values) and torch.equal(a.biases, b.biases)
+    assert any(not torch.equal(a.keys, b.keys) for a, b in zip(plain.layers, keys_only.layers))
+
+
+def test_hand_gradients_are_autograd_s():
+    from kvpack.methods.am_refine import _loss_and_grads
+
+    K, V, Q, sink, kept, fit, full = _fitted(5)
+    keys = K[sink + kept].clone().requires_grad_(True)
+    beta = fit.beta.float().clone().requires_grad_(True)
+    values = fit.values.float().clone().requires_grad_(True)
+    sink_logits = (Q @ K[:sink].T) * SCALING
+    logits = torch.cat([sink_logits, (Q @ keys.T) * SCALING + beta], dim=1)
+    out = logits.softmax(-1) @ torch.cat([V[:sink], values])
+    loss = (out - full).square().sum() / full.square().sum()
+    loss.backward()
+    got = _loss_and_grads(Q, full, sink_logits, keys.detach(), beta.detach(), torch.cat([V[:sink], values.detach()]),
+                          sink, SCALING, True)
+    assert abs(float(got[0]) - float(loss.detach())) < 1e-6
+    for mine, theirs in zip(got[1:], (keys.grad, beta.grad, values.grad)):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
+    keys_only = _loss_and_grads(Q, full, sink_logits, keys.detach(), beta.detach(),
+                                torch.cat([V[:sink], values.detach()]), sink, SCALING, False)
+    assert keys_only[2] is None and keys_only[3] is None
+    torch.testing.assert_close(keys_only[1], keys.grad, rtol=1e-4, atol=1e-6)

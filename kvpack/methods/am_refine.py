@@ -70,60 +70,89 @@ def refine_head(keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor, qu
     on other queries anyway. Raises ``ValueError`` for a ``move`` not in ``REFINE_MOVES``."""
     if move not in REFINE_MOVES:
         raise ValueError(f"refine_head: move must be one of {REFINE_MOVES}, got {move!r}")
-    with torch.inference_mode(False), torch.enable_grad():
-        q = queries.float().clone()
-        ref = full.float().clone()
-        sk, sv = sink_keys.float().clone(), sink_values.float().clone()
-        k0, v0, b0 = keys.float().clone(), values.float().clone(), beta.float().clone()
-        ks = k0.square().mean().sqrt().clamp_min(1e-6)
-        vs = v0.square().mean().sqrt().clamp_min(1e-6)
-        dk = torch.zeros_like(k0, requires_grad=True)
-        every = move == "keys+beta+values"
-        dv = torch.zeros_like(v0, requires_grad=every)
-        b = b0.clone().requires_grad_(every)
-        # beta's box: +-beta_bound, widened to hold the start (AM-OMP's clamped weights go down to log 1e-12)
-        low = min(-beta_bound, float(b0.min())) if b0.numel() else -beta_bound
-        high = max(beta_bound, float(b0.max())) if b0.numel() else beta_bound
-        sink_logits = (q @ sk.T) * scaling  # [n, s], fixed
-        opt = torch.optim.Adam([dk, dv, b] if every else [dk], lr=lr)
-        n = q.shape[0]
-        batched = 0 < batch < n
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)) if batched else None
+    every = move == "keys+beta+values"
+    q, ref = queries.float(), full.float()
+    sk, sv = sink_keys.float(), sink_values.float()
+    k0, v0, b0 = keys.float(), values.float(), beta.float()
+    s = sk.shape[0]
+    ks = float(k0.square().mean().sqrt().clamp_min(1e-6)) if k0.numel() else 1.0
+    vs = float(v0.square().mean().sqrt().clamp_min(1e-6)) if v0.numel() else 1.0
+    k, b, v = k0.clone(), b0.clone(), v0.clone()
+    # beta's box: +-beta_bound, widened to hold the start (AM-OMP's clamped weights go down to log 1e-12)
+    low = min(-beta_bound, float(b0.min())) if b0.numel() else -beta_bound
+    high = max(beta_bound, float(b0.max())) if b0.numel() else beta_bound
+    sink_logits = (q @ sk.T) * scaling  # [n, s], fixed
+    n = q.shape[0]
+    batched = 0 < batch < n
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)) if batched else None
+    adam = _Adam(lr, 3 if every else 1)
 
-        def loss_on(rows: torch.Tensor | None) -> torch.Tensor:
-            qq, rr, sl = (q, ref, sink_logits) if rows is None else (q[rows], ref[rows], sink_logits[rows])
-            logits = torch.cat([sl, (qq @ (k0 + ks * dk).T) * scaling + b], dim=1)
-            out = logits.softmax(dim=-1) @ torch.cat([sv, v0 + vs * dv])
-            return (out - rr).square().sum() / rr.square().sum().clamp_min(1e-12)
+    def measured(kk, bb, vv) -> float:
+        return float(_loss_and_grads(q, ref, sink_logits, kk, bb, torch.cat([sv, vv]), s, scaling, False)[0])
 
-        def snapshot(value: float):
-            return value, (k0 + ks * dk).detach().clone(), b.detach().clone(), (v0 + vs * dv).detach().clone()
+    best = (float("nan"), k0, b0, v0) if batched and not measure else (measured(k, b, v), k0, b0, v0)
+    first = best[0]
+    for step in range(steps):
+        rows = order[(step * batch) % n:(step * batch) % n + batch] if batched else None
+        qq, rr, sl = (q, ref, sink_logits) if rows is None else (q[rows], ref[rows], sink_logits[rows])
+        loss, gk, gb, gv = _loss_and_grads(qq, rr, sl, k, b, torch.cat([sv, v]), s, scaling, every)
+        if not batched and step and float(loss) < best[0]:  # the iterate the last step made
+            best = (float(loss), k.clone(), b.clone(), v.clone())
+        # Adam on the moves in units of the start's RMS (keys, values) and in logits (beta)
+        k = k0 + ks * adam.step(0, gk * ks)
+        if every:
+            v = v0 + vs * adam.step(1, gv * vs)
+            b = (b0 + adam.step(2, gb)).clamp_(low, high)
+            adam.moved[2] = b - b0  # the clamp is part of the iterate
+        adam.tick()
+    if batched and not measure:
+        return k, b, v, first, float("nan")
+    last = measured(k, b, v)
+    if last < best[0]:
+        best = (last, k, b, v)
+    return best[1], best[2], best[3], first, best[0]
 
-        if batched and not measure:
-            best = (float("nan"), k0, b0, v0)
-        else:
-            with torch.no_grad():
-                best = snapshot(float(loss_on(None)))
-        first = best[0]
-        for step in range(steps):
-            opt.zero_grad(set_to_none=True)
-            if batched:
-                at = (step * batch) % n
-                rows = order[at : at + batch]
-                loss = loss_on(rows)
-            else:
-                loss = loss_on(None)
-                if step and float(loss.detach()) < best[0]:  # the iterate the last step made
-                    best = snapshot(float(loss.detach()))
-            loss.backward()
-            opt.step()
-            if every:
-                with torch.no_grad():
-                    b.clamp_(low, high)
-        if batched and not measure:
-            return *snapshot(float("nan"))[1:], first, float("nan")
-        with torch.no_grad():
-            last = float(loss_on(None))
-        if last < best[0]:
-            best = snapshot(last)
-        return best[1], best[2], best[3], first, best[0]
+
+class _Adam:
+    """Adam (Kingma and Ba, arXiv 1412.6980; ``torch.optim.Adam``'s defaults: betas 0.9 and 0.999, eps 1e-8) on
+    ``count`` moves that start at zero: ``step(i, grad)`` returns move ``i`` after one update from ``grad`` (of the
+    move's own shape); ``tick()`` ends the step. No autograd: ``refine_head`` gives the gradients itself."""
+
+    def __init__(self, lr: float, count: int):
+        self.lr, self.t = lr, 1
+        self.moved: list = [None] * count
+        self.m: list = [None] * count
+        self.v: list = [None] * count
+
+    def step(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        if self.m[i] is None:
+            self.m[i], self.v[i], self.moved[i] = (torch.zeros_like(grad) for _ in range(3))
+        self.m[i].mul_(0.9).add_(grad, alpha=0.1)
+        self.v[i].mul_(0.999).addcmul_(grad, grad, value=0.001)
+        denom = (self.v[i] / (1 - 0.999 ** self.t)).sqrt_().add_(1e-8)
+        self.moved[i] = self.moved[i].addcdiv(self.m[i], denom, value=-self.lr / (1 - 0.9 ** self.t))
+        return self.moved[i]
+
+    def tick(self) -> None:
+        self.t += 1
+
+
+def _loss_and_grads(q: torch.Tensor, ref: torch.Tensor, sink_logits: torch.Tensor, keys: torch.Tensor,
+                    beta: torch.Tensor, values: torch.Tensor, sink: int, scaling: float, every: bool):
+    """The objective (module docstring) on queries ``q`` ``[m, d]`` with targets ``ref`` ``[m, dv]`` and the sink's
+    fixed logits ``sink_logits`` ``[m, s]``, for kept ``keys`` ``[t, d]`` and ``beta`` ``[t]`` and ``values``
+    ``[s + t, dv]`` (the sink's first), and its gradients by hand (softmax's Jacobian-vector product): ``(loss,
+    d/dkeys [t, d], d/dbeta [t], d/dvalues [t, dv])``, the last two ``None`` unless ``every``. Checked against
+    autograd in ``tests/test_am_refine.py``; by hand it is 3-4x faster than autograd at these sizes."""
+    logits = torch.cat([sink_logits, torch.addmm(beta, q, keys.T, alpha=scaling)], dim=1)
+    p = logits.softmax(dim=-1)  # [m, s + t]
+    diff = p @ values - ref
+    z = ref.square().sum().clamp_min(1e-12)
+    loss = diff.square().sum() / z
+    g_out = diff.mul_(2 / z)  # d loss / d output
+    g_p = g_out @ values.T
+    g_logits = g_p.sub_((g_p * p).sum(dim=-1, keepdim=True)).mul_(p)[:, sink:]  # [m, t]
+    g_keys = (g_logits.T @ q).mul_(scaling)
+    if not every:
+        return loss, g_keys, None, None
+    return loss, g_keys, g_logits.sum(dim=0), p[:, sink:].T @ g_out
