@@ -295,18 +295,17 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             the validation replaces ``value_bound`` and ``held_out_check``, and ``ridge``/``ridge_to`` are unused);
             the choices are counted in ``stats["fit"]["ridge_search"]``; default true (BENCHMARKS.md, "Issue 28,
             twenty-sixth session").
-        refine_steps: Adam steps (default 0: off) that move each validated head's kept keys, biases and values
-            together from ``ridge_search``'s chosen candidate toward the full context's output over ``[sink,
-            context]`` on the fit queries (``kvpack.methods.am_refine``; kvpack's, not the paper's, which keeps the
-            selected keys as they are); the refined head is kept only where its error on the validation queries is
-            lower than the chosen candidate's, and counted as ``refined`` in ``stats["fit"]["ridge_search"]``. Needs
+        refine_steps: Adam steps (default 0: off) that move each validated head's kept keys (``refine_move``)
+            from ``ridge_search``'s chosen candidate toward the full context's output over ``[sink, context]`` on the
+            fit queries (``kvpack.methods.am_refine``; kvpack's, not the paper's, which keeps the selected keys as
+            they are); the refined head is kept only where its error on the validation queries is lower than the
+            chosen candidate's, and counted as ``refined`` in ``stats["fit"]["ridge_search"]``. Needs
             ``ridge_search`` and ``values="fit"``.
         refine_batch: reference queries per refinement step, a fresh slice of a fixed permutation each step
-            (default 1,024; 0: all of them every step).
-        refine_move: what the refinement moves (``am_refine.REFINE_MOVES``): ``"keys+beta+values"`` (default) or
-            ``"keys"``, the biases and values staying at the closed form's.
-        refine_lr: Adam's step (default ``am_refine.REFINE_LR``, 0.005), in units of the kept keys' (and values')
-            RMS, in logits for beta.
+            (default 512; 0: all of them every step).
+        refine_move: what the refinement moves (``am_refine.REFINE_MOVES``): ``"keys"`` (default; the biases and
+            values stay the closed form's) or ``"keys+beta+values"`` (the thirty-first session's refinement).
+        refine_lr: Adam's step (default 0.01), in units of the kept keys' (and values') RMS, in logits for beta.
         weights: ``"uniform"`` (default, the paper's) or ``"share"``: each reference query's rows of the fit
             weighted by the share of its attention over ``[sink, context]`` that falls on the context
             (``am_fit.context_share``; kvpack's), so queries resting on the attention sink no longer drive it.

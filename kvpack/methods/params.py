@@ -248,7 +248,8 @@ class AttentionMatchingParams(KVzipParams):
                                                # no floor before issue 28's thirty-second session
                                                "head_floor": 0.0, "unfitted_selection": "same",
                                                # the refinement moved everything before issue 28's 34th session
-                                               "refine_move": "keys+beta+values", "refine_lr": REFINE_LR}
+                                               "refine_move": "keys+beta+values", "refine_lr": REFINE_LR,
+                                               "refine_batch": 1024}
     max_head_ratio: float = option(0.75, "most of a KV head's own context entries it may keep with --budgets "
                                          "global-capped or schedule (the paper's --max-ratio-per-head)",
                                    low=0.0, high=1.0)
@@ -325,17 +326,20 @@ class AttentionMatchingParams(KVzipParams):
                                        "with copied values, or a least-squares fit with a ridge (0 to 1) does best "
                                        "on the context's last 256 tokens' own queries (replaces --value-bound and "
                                        "the held-out check; not in the paper)")
-    refine_steps: int = option(0, "Adam steps that move each fitted head's kept keys, biases and values together "
-                                  "toward the full context's output on the reference queries, kept only where "
+    refine_steps: int = option(0, "Adam steps that move each fitted head's kept keys (and with --refine-move "
+                                  "keys+beta+values its biases and values) toward the full context's output on "
+                                  "the reference queries, kept only where "
                                   "the validation queries agree (0: the closed form alone; kvpack's, not the "
                                   "paper's)", low=0, high=MAX_REFINE_STEPS)
-    refine_batch: int = option(1024, "reference queries per --refine-steps step, a fresh slice of a fixed "
+    refine_batch: int = option(512, "reference queries per --refine-steps step, a fresh slice of a fixed "
                                   "permutation each step (0: all of them every step)", low=0, high=MAX_QUERIES)
-    refine_move: str = option("keys+beta+values", "what --refine-steps moves: the kept keys, biases and values "
-                                                  "together, or the keys alone (the biases and values stay the "
-                                                  "closed form's)", choices=REFINE_MOVES)
-    refine_lr: float = option(REFINE_LR, "Adam's step of --refine-steps, in units of the kept keys' (and "
-                                         "values') RMS", low=1e-6, high=1.0)
+    # moving the keys alone, at twice the step and half the batch, continued better than moving all three on eight
+    # fresh SmolLM2 passages (BENCHMARKS.md, "Issue 28, thirty-fourth session"); packs from before read as the old
+    refine_move: str = option("keys", "what --refine-steps moves: the kept keys alone (the biases and values stay "
+                                      "the closed form's), or the keys, biases and values together",
+                              choices=REFINE_MOVES)
+    refine_lr: float = option(0.01, "Adam's step of --refine-steps, in units of the kept keys' (and values') RMS",
+                              low=1e-6, high=1.0)
     weights: str = option("uniform", "how the fit weighs each reference query: alike (the paper's), or by the share "
                                      "of its attention on the context rather than the attention sink (kvpack's)",
                           flag="--fit-weights", choices=FIT_WEIGHTS)
