@@ -234,18 +234,18 @@ def test_python_dash_m_and_version():
     (["--method", "none"], "method\\s+none$"),
     (["--method", "am", "--select", "kvzip", "--values", "copy", "--queries", "64", "--on-policy"],
      "method\\s+am \\(.*on_policy=True, queries=64, queries_per_entry=8.0, recent=16, reference=self-study\\+repeat, "
-     "refine_steps=0, ridge=0.0, ridge_search=True, ridge_to=zero, .*scoring=attention, selection=kvzip, .*self_study_tokens=16, "
+     "ridge=0.0, ridge_search=True, ridge_to=zero, .*scoring=attention, selection=kvzip, .*self_study_tokens=16, "
      ".*values=copy, weights=uniform\\)"),
     (["--method", "am", "--reference", "both", "--queries", "64", "--queries-per-entry", "2"],
      "method\\s+am \\(.*queries=64, queries_per_entry=2.0, recent=16, reference=both, .*values=fit, weights=uniform\\)"),
     (["--method", "am", "--ridge", "0.001", "--queries", "64", "--no-ridge-search", "--reference", "repeat"],
-     "method\\s+am \\(.*queries=64, queries_per_entry=8.0, recent=16, reference=repeat, refine_steps=0, ridge=0.001, ridge_search=False, "
+     "method\\s+am \\(.*queries=64, queries_per_entry=8.0, recent=16, reference=repeat, ridge=0.001, ridge_search=False, "
      "ridge_to=zero, .*selection=rms, .*values=fit, weights=uniform\\)"),
     (["--method", "am", "--reference", "prefill", "--fit-weights", "share", "--queries", "64"],
      "method\\s+am \\(.*queries=64, queries_per_entry=8.0, recent=16, reference=prefill, .*values=fit, weights=share\\)"),
     (["--method", "am", "--queries", "64"],
-     "method\\s+am \\(.*reference=self-study\\+repeat, refine_steps=0, ridge_search=True, schedule=None, score_queries=repeat, .*values=fit, "
-     "weights=uniform\\)\n  unused here\\s+continue_tokens, held_out_check, max_head_ratio, refine_batch, refine_lr, refine_move, ridge, "
+     "method\\s+am \\(.*reference=self-study\\+repeat, refine_batch=512, refine_lr=0.01, refine_move=keys, refine_steps=30, ridge_search=True, schedule=None, score_queries=repeat, .*values=fit, "
+     "weights=uniform\\)\n  unused here\\s+continue_tokens, held_out_check, max_head_ratio, ridge, "
      "ridge_to, value_bound$"),
     (["--method", "am", "--ridge", "1", "--ridge-to", "selected", "--queries", "64", "--no-ridge-search"],
      "method\\s+am \\(.*ridge=1.0, ridge_search=False, ridge_to=selected, .*values=fit, weights=uniform\\)"),

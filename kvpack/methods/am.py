@@ -295,7 +295,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             the validation replaces ``value_bound`` and ``held_out_check``, and ``ridge``/``ridge_to`` are unused);
             the choices are counted in ``stats["fit"]["ridge_search"]``; default true (BENCHMARKS.md, "Issue 28,
             twenty-sixth session").
-        refine_steps: Adam steps (default 0: off) that move each validated head's kept keys (``refine_move``)
+        refine_steps: Adam steps (default 30; 0: off) that move each validated head's kept keys (``refine_move``)
             from ``ridge_search``'s chosen candidate toward the full context's output over ``[sink, context]`` on the
             fit queries (``kvpack.methods.am_refine``; kvpack's, not the paper's, which keeps the selected keys as
             they are); the refined head is kept only where its error on the validation queries is lower than the

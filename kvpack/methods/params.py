@@ -326,7 +326,9 @@ class AttentionMatchingParams(KVzipParams):
                                        "with copied values, or a least-squares fit with a ridge (0 to 1) does best "
                                        "on the context's last 256 tokens' own queries (replaces --value-bound and "
                                        "the held-out check; not in the paper)")
-    refine_steps: int = option(0, "Adam steps that move each fitted head's kept keys (and with --refine-move "
+    # 30 steps of the keys alone lowered AM's continuation loss by 17-38% on eight fresh SmolLM2 passages for 5% more
+    # build time (BENCHMARKS.md, "Issue 28, thirty-fourth session"); packs from before read as 0
+    refine_steps: int = option(30, "Adam steps that move each fitted head's kept keys (and with --refine-move "
                                   "keys+beta+values its biases and values) toward the full context's output on "
                                   "the reference queries, kept only where "
                                   "the validation queries agree (0: the closed form alone; kvpack's, not the "
