@@ -167,15 +167,3 @@ def test_hand_gradients_are_autograd_s():
                                 torch.cat([V[:sink], values.detach()]), sink, SCALING, False)
     assert keys_only[2] is None and keys_only[3] is None
     torch.testing.assert_close(keys_only[1], keys.grad, rtol=1e-4, atol=1e-6)
-
-
-def test_refine_queries_per_entry_refines_only_heads_with_that_many_queries():
-    model, tok = tiny_model("llama")
-    kw = dict(kv_dtype="float32", method="am", ratio=0.3, chunk_size=40, ridge_search=True, refine_steps=20)
-    every = kvpack.compress(model, tok, TEXT, **kw)
-    gated = kvpack.compress(model, tok, TEXT, refine_queries_per_entry=1e6, **kw)
-    unrefined = kvpack.compress(model, tok, TEXT, **{**kw, "refine_steps": 0})
-    assert every.metadata["stats"]["fit"]["ridge_search"].get("refined", 0) > 0
-    assert "refined" not in gated.metadata["stats"]["fit"]["ridge_search"]
-    for a, b in zip(gated.layers, unrefined.layers):  # no head has that many queries per entry: nothing refined
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

@@ -306,8 +306,6 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         refine_move: what the refinement moves (``am_refine.REFINE_MOVES``): ``"keys"`` (default; the biases and
             values stay the closed form's) or ``"keys+beta+values"`` (the thirty-first session's refinement).
         refine_lr: Adam's step (default 0.01), in units of the kept keys' (and values') RMS, in logits for beta.
-        refine_queries_per_entry: refine only heads whose fit queries number at least this many times their kept
-            entries (default 0: every fitted head).
         weights: ``"uniform"`` (default, the paper's) or ``"share"``: each reference query's rows of the fit
             weighted by the share of its attention over ``[sink, context]`` that falls on the context
             (``am_fit.context_share``; kvpack's), so queries resting on the attention sink no longer drive it.
@@ -659,8 +657,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                     keys[h], values[h], positions, sink, kept, fit.beta, *fit.design, vq, vpos, vscale,
                     C.MAX_KV_ABS, normal=fit.normal, full=want,
                     plain=fit.values if self.ridge == 0 else None)  # fit_head solved the ridge-0 values already
-                if self.refine_steps > 0 and len(kept) * self.refine_queries_per_entry <= n_fit:
-                    # gradient steps from the chosen candidate, kept if validated better
+                if self.refine_steps > 0:  # gradient steps from the chosen candidate, kept if validated better
                     got = self._refine(keys[h], values[h], positions, sink, kept, beta, new_values, fit_q[h],
                                        scaling, context, vq, vpos, vscale, want, verrors[name])
                     if got is not None:

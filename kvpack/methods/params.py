@@ -249,7 +249,7 @@ class AttentionMatchingParams(KVzipParams):
                                                "head_floor": 0.0, "unfitted_selection": "same",
                                                # the refinement moved everything before issue 28's 34th session
                                                "refine_move": "keys+beta+values", "refine_lr": REFINE_LR,
-                                               "refine_batch": 1024, "refine_queries_per_entry": 0.0}
+                                               "refine_batch": 1024}
     max_head_ratio: float = option(0.75, "most of a KV head's own context entries it may keep with --budgets "
                                          "global-capped or schedule (the paper's --max-ratio-per-head)",
                                    low=0.0, high=1.0)
@@ -342,9 +342,6 @@ class AttentionMatchingParams(KVzipParams):
                               choices=REFINE_MOVES)
     refine_lr: float = option(0.01, "Adam's step of --refine-steps, in units of the kept keys' (and values') RMS",
                               low=1e-6, high=1.0)
-    refine_queries_per_entry: float = option(0.0, "refine only KV heads whose fit queries number at least this many "
-                                                  "times their kept entries (0: every fitted head)", low=0.0,
-                                             high=1e6)
     weights: str = option("uniform", "how the fit weighs each reference query: alike (the paper's), or by the share "
                                      "of its attention on the context rather than the attention sink (kvpack's)",
                           flag="--fit-weights", choices=FIT_WEIGHTS)
@@ -371,10 +368,9 @@ class AttentionMatchingParams(KVzipParams):
             why = ("it refines the candidate --ridge-search chooses, kept only where the validation queries agree: "
                    "it needs --ridge-search and --values fit")
             out["refine_steps"] = out["refine_batch"] = why
-            out["refine_move"] = out["refine_lr"] = out["refine_queries_per_entry"] = why
+            out["refine_move"] = out["refine_lr"] = why
         elif not params.get("refine_steps"):
-            for k in ("refine_batch", "refine_move", "refine_lr", "refine_queries_per_entry"):
-                out[k] = "it applies only to --refine-steps"
+            out["refine_batch"] = out["refine_move"] = out["refine_lr"] = "it applies only to --refine-steps"
         if params.get("reference") not in ("self-study", "self-study+repeat"):
             for k in ("self_study_tokens", "self_study_temperature", "self_study_seed", "self_study_samples"):
                 out[k] = "it applies only to --reference self-study and self-study+repeat"
@@ -425,8 +421,6 @@ class AttentionMatchingParams(KVzipParams):
         check_choice(self.name, "refine_move", self.refine_move, REFINE_MOVES)
         check_float(self.name, "refine_lr", self.refine_lr, 1e-6, 1.0)
         self.refine_lr = float(self.refine_lr)
-        check_float(self.name, "refine_queries_per_entry", self.refine_queries_per_entry, 0.0, 1e6)
-        self.refine_queries_per_entry = float(self.refine_queries_per_entry)
         check_choice(self.name, "values", self.values, VALUE_MODES)
         check_int(self.name, "queries", self.queries, 16)
         check_float(self.name, "queries_per_entry", self.queries_per_entry, 1.0, 1e6)
