@@ -147,7 +147,7 @@ def _loss_and_grads(q: torch.Tensor, ref: torch.Tensor, sink_logits: torch.Tenso
     fixed logits ``sink_logits`` ``[m, s]``, for kept ``keys`` ``[t, d]`` and ``beta`` ``[t]`` and ``values``
     ``[s + t, dv]`` (the sink's first), and its gradients by hand (softmax's Jacobian-vector product): ``(loss,
     d/dkeys [t, d], d/dbeta [t], d/dvalues [t, dv])``, the last two ``None`` unless ``every``. Checked against
-    autograd in ``tests/test_am_refine.py``; by hand it is 3-4x faster than autograd at these sizes."""
+    autograd in ``tests/test_am_refine.py``; by hand it is 2-4x faster than autograd at these sizes."""
     logits = torch.cat([sink_logits, torch.addmm(beta, q, keys.T, alpha=scaling)], dim=1)
     p = logits.softmax(dim=-1)  # [m, s + t]
     diff = p @ values - ref
