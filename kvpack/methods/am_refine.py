@@ -96,18 +96,19 @@ def refine_head(keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor, qu
 
     best = (float("nan"), k0, b0, v0) if batched and not measure else (measured(k, b, v), k0, b0, v0)
     first = best[0]
+    all_values = torch.cat([sv, v])  # [s + t, dv]: fixed unless the values move
     for step in range(steps):
         rows = order[(step * batch) % n:(step * batch) % n + batch] if batched else None
         qq, rr, sl = (q, ref, sink_logits) if rows is None else (q[rows], ref[rows], sink_logits[rows])
-        loss, gk, gb, gv = _loss_and_grads(qq, rr, sl, k, b, torch.cat([sv, v]), s, scaling, every)
+        loss, gk, gb, gv = _loss_and_grads(qq, rr, sl, k, b, all_values, s, scaling, every)
         if not batched and step and float(loss) < best[0]:  # the iterate the last step made
             best = (float(loss), k.clone(), b.clone(), v.clone())
-        # Adam on the moves in units of the start's RMS (keys, values) and in logits (beta)
+        # Adam on the moves in units of the start's RMS (keys, values) and in logits (beta, kept in its box)
         k = k0 + ks * adam.step(0, gk * ks)
         if every:
             v = v0 + vs * adam.step(1, gv * vs)
-            b = (b0 + adam.step(2, gb)).clamp_(low, high)
-            adam.moved[2] = b - b0  # the clamp is part of the iterate
+            b = b0 + adam.step(2, gb, low - b0, high - b0)
+            all_values = torch.cat([sv, v])
         adam.tick()
     if batched and not measure:
         return k, b, v, first, float("nan")
@@ -119,8 +120,9 @@ def refine_head(keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor, qu
 
 class _Adam:
     """Adam (Kingma and Ba, arXiv 1412.6980; ``torch.optim.Adam``'s defaults: betas 0.9 and 0.999, eps 1e-8) on
-    ``count`` moves that start at zero: ``step(i, grad)`` returns move ``i`` after one update from ``grad`` (of the
-    move's own shape); ``tick()`` ends the step. No autograd: ``refine_head`` gives the gradients itself."""
+    ``count`` moves that start at zero: ``step(i, grad, low, high)`` returns move ``i`` after one update from
+    ``grad`` (of the move's own shape), clamped to ``[low, high]`` (tensors of its shape) when given; ``tick()``
+    ends the step. No autograd: ``refine_head`` gives the gradients itself."""
 
     def __init__(self, lr: float, count: int):
         self.lr, self.t = lr, 1
@@ -128,13 +130,16 @@ class _Adam:
         self.m: list = [None] * count
         self.v: list = [None] * count
 
-    def step(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+    def step(self, i: int, grad: torch.Tensor, low: torch.Tensor | None = None,
+             high: torch.Tensor | None = None) -> torch.Tensor:
         if self.m[i] is None:
             self.m[i], self.v[i], self.moved[i] = (torch.zeros_like(grad) for _ in range(3))
         self.m[i].mul_(0.9).add_(grad, alpha=0.1)
         self.v[i].mul_(0.999).addcmul_(grad, grad, value=0.001)
         denom = (self.v[i] / (1 - 0.999 ** self.t)).sqrt_().add_(1e-8)
         self.moved[i] = self.moved[i].addcdiv(self.m[i], denom, value=-self.lr / (1 - 0.9 ** self.t))
+        if low is not None:
+            self.moved[i].clamp_(low, high)
         return self.moved[i]
 
     def tick(self) -> None:
