@@ -167,3 +167,69 @@ def test_hand_gradients_are_autograd_s():
                                 torch.cat([V[:sink], values.detach()]), sink, SCALING, False)
     assert keys_only[2] is None and keys_only[3] is None
     torch.testing.assert_close(keys_only[1], keys.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_the_reservoir_keeps_each_fit_row_s_position_through_both_subsamplings():
+    """``QueryReservoir.fit_positions``: the position of every fit row ``split`` returns, through the subsampling of
+    a call larger than ``cap`` and of the pool, with -1 for a source that says none."""
+    from kvpack.methods.am import QueryReservoir
+
+    gen = torch.Generator().manual_seed(0)
+    reservoir = QueryReservoir(kv_heads=2, cap=70)
+    for first, q in ((100, 50), (None, 20), (1000, 30)):  # 100 rows a KV head in the first call: over the cap
+        query = torch.randn(4, q, 3, generator=gen)  # 4 query heads, GQA group 2; channel 0 holds the position
+        query[:, :, 0] = -1.0 if first is None else first + torch.arange(q).float()
+        reservoir.first_position = first
+        reservoir.append((query, 0.5))
+    fit, _ = reservoir.split()
+    got = reservoir.fit_positions()
+    assert len(got) == fit.shape[1] == 70 - 8  # the pool subsampled to the cap, an eighth held out
+    for h in range(2):
+        assert torch.equal(got.float(), fit[h, :, 0])
+    assert bool((got == -1).any()) and bool((got >= 1000).any()) and bool(((got >= 100) & (got < 150)).any())
+
+
+def _refinement(window: int, refine_queries: str):
+    """The tiny llama's AM fit with the repeat pass's queries alone and ``max_position_embeddings = window``:
+    ``(prefill, refined heads, gathered layers, the refinement's rows of the first compressed layer, the positions of
+    its fit rows)``."""
+    from kvpack.layout import chat_layout
+    from kvpack.methods import get_method
+    from kvpack.methods.base import gather
+    from kvpack.model import model_spec
+    from kvpack.prefill import prefill
+
+    model, tok = tiny_model("llama")
+    saved = model.config.max_position_embeddings
+    model.config.max_position_embeddings = window
+    try:
+        spec, layout = model_spec(model), chat_layout(tok)
+        prefix = layout.prefix_ids(tok)
+        full = prefill(model, prefix + layout.encode(tok, TEXT), len(prefix), layout, spec, 40)
+        scorer = get_method("am", chunk_size=40, reference="repeat", refine_steps=20, refine_lr=0.02,
+                            refine_queries=refine_queries)
+        keep = scorer.select(scorer.score(model, tok, full), 0.3, full)
+        layers = gather(full, keep)
+        stats = scorer.update_entries(full, keep, layers)
+        rows, positions = scorer._refine_rows(scorer._reservoirs[0]), scorer._reservoirs[0].fit_positions()
+        return full, stats["ridge_search"].get("refined", 0), layers, rows, positions
+    finally:
+        model.config.max_position_embeddings = saved
+
+
+def test_the_refinement_fits_only_the_queries_within_the_model_s_window():
+    """``refine_queries="in-window"``: with every repeat query within the window it is ``"all"``, entry for entry;
+    with the window ending at the repeat pass's first position only each chunk's first query is within it, too few
+    to refine any head, where ``"all"`` refines some."""
+    full, refined_all, layers_all, rows, _ = _refinement(4096, "all")
+    assert rows is None
+    _, refined_in, layers_in, rows, _ = _refinement(4096, "in-window")
+    assert rows is None and refined_all == refined_in > 0
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(layers_all, layers_in))
+    window = full.tokens + 1
+    _, refined_in, _, rows, positions = _refinement(window, "in-window")
+    _, refined_all, _, _, _ = _refinement(window, "all")
+    chunks, group = -(-full.context_tokens // 40), full.spec.num_heads // full.spec.num_kv_heads
+    assert 0 < len(rows) <= chunks * group and bool((positions[rows] == full.tokens).all())
+    assert int((positions < window).sum()) == len(rows)
+    assert refined_in == 0 < refined_all

@@ -244,7 +244,7 @@ def test_python_dash_m_and_version():
     (["--method", "am", "--reference", "prefill", "--fit-weights", "share", "--queries", "64"],
      "method\\s+am \\(.*queries=64, queries_per_entry=8.0, recent=16, reference=prefill, .*values=fit, weights=share\\)"),
     (["--method", "am", "--queries", "64"],
-     "method\\s+am \\(.*reference=self-study\\+repeat, refine_batch=512, refine_lr=0.01, refine_move=keys, refine_steps=30, ridge_search=True, schedule=None, score_queries=repeat, .*values=fit, "
+     "method\\s+am \\(.*reference=self-study\\+repeat, refine_batch=512, refine_lr=0.01, refine_move=keys, refine_queries=in-window, refine_steps=30, ridge_search=True, schedule=None, score_queries=repeat, .*values=fit, "
      "weights=uniform\\)\n  unused here\\s+continue_tokens, held_out_check, max_head_ratio, ridge, "
      "ridge_to, value_bound$"),
     (["--method", "am", "--ridge", "1", "--ridge-to", "selected", "--queries", "64", "--no-ridge-search"],

@@ -49,6 +49,10 @@ class QueryReservoir:
     once per set of recorded parts (a new part, appended or extended, makes new ones), so the selection
     (``selection="rms"``) and the fit see the same split whatever the number of calls; the tensors ``split``
     returns are that cache: read them, do not modify them.
+
+    Each row also keeps its query's position when the source says it (``first_position``: KVzip's repeat pass, fed
+    after the whole context, which on a context near the model's window runs past it); ``fit_positions`` gives
+    those of ``split``'s fit rows (the refinement's ``refine_queries="in-window"``).
     """
 
     def __init__(self, kv_heads: int, cap: int, seed: int = QUERY_SEED):
@@ -65,14 +69,33 @@ class QueryReservoir:
         self.context_range: tuple[int, int] | None = None
         self.contexts: dict[int, ContextAttention] = {}  # part index -> its queries' attention over the context
         self._whole = False  # whether the last appended part kept every row
+        #: Position of the first query of each call appended from now on (a call's ``q`` queries sit at
+        #: ``first_position + 0 .. q - 1``), or ``None``: positions unknown, recorded as -1. The sources other than
+        #: the repeat pass stay within the model's positions (self-study and sampled continuations stop where
+        #: they would leave it; the prefill is the context).
+        self.first_position: int | None = None
+        self.positions: list[torch.Tensor] = []  # per part: [rows] int64, each row's query position or -1
+        self._pool_rows: torch.Tensor | None = None  # the pool's rows among the parts' when it is subsampled
 
     def append(self, item: tuple[torch.Tensor, float]) -> None:
         """Add one attention call's ``(query [heads, q, head_dim], scaling)``."""
         query, self.scaling = item
         heads, q, d = query.shape
-        pooled = query.reshape(self.kv_heads, (heads // self.kv_heads) * q, d)
+        pooled = query.reshape(self.kv_heads, (heads // self.kv_heads) * q, d)  # rows: the group's heads, then q
         self._whole = pooled.shape[1] <= self.cap
-        self.parts.append(self._subsample(pooled).float())
+        rows = self._subsample_rows(pooled.shape[1])
+        self.parts.append((pooled if rows is None else pooled[:, rows.to(pooled.device)]).float())
+        if self.first_position is None:
+            positions = torch.full((pooled.shape[1],), -1, dtype=torch.long)
+        else:
+            positions = (self.first_position + torch.arange(q)).repeat(heads // self.kv_heads)
+        self.positions.append(positions if rows is None else positions[rows])
+
+    def extend(self, other: "QueryReservoir") -> None:
+        """Pool ``other``'s recorded parts (and their positions) after this reservoir's (one pool, subsampled to
+        ``cap`` by ``split``)."""
+        self.parts.extend(other.parts)
+        self.positions.extend(other.positions)
 
     def context_attention(self, visible: int) -> ContextAttention | None:
         """For the attention call that just appended its queries, seeing its first ``visible`` keys: a
@@ -111,12 +134,11 @@ class QueryReservoir:
             return None
         return PooledContext(has, torch.cat(output, dim=1), torch.cat(lse, dim=1), squares)
 
-    def _subsample(self, pooled: torch.Tensor) -> torch.Tensor:
-        n = pooled.shape[1]
+    def _subsample_rows(self, n: int) -> torch.Tensor | None:
+        """``cap`` of ``n`` rows, seeded and sorted (``[cap]`` int64), or ``None`` when ``n <= cap`` (all)."""
         if n <= self.cap:
-            return pooled
-        idx = torch.randperm(n, generator=self.generator)[: self.cap].sort().values
-        return pooled[:, idx.to(pooled.device)]
+            return None
+        return torch.randperm(n, generator=self.generator)[: self.cap].sort().values
 
     def split(self, held_out: int = HELD_OUT) -> tuple[torch.Tensor, torch.Tensor]:
         """``(fit, held)``: ``[kv_heads, n_fit, head_dim]`` and ``[kv_heads, n_held, head_dim]`` float32, with
@@ -125,7 +147,10 @@ class QueryReservoir:
         if not self.parts:
             raise RuntimeError("no reference queries were recorded (the repeat pass did not run)")
         if self._pool is None or self._pool[0] != len(self.parts):  # subsampled once per set of parts
-            self._pool = len(self.parts), self._subsample(torch.cat(self.parts, dim=1))
+            pooled = torch.cat(self.parts, dim=1)
+            self._pool_rows = self._subsample_rows(pooled.shape[1])
+            rows = self._pool_rows
+            self._pool = len(self.parts), pooled if rows is None else pooled[:, rows.to(pooled.device)]
             self._split = None
         if self._split is None or self._split[0] != held_out:
             pool = self._pool[1]
@@ -136,6 +161,17 @@ class QueryReservoir:
             fit_rows, held_rows = order[held:].sort().values, order[:held].sort().values
             self._split = held_out, (pool[:, fit_rows], pool[:, held_rows]), (fit_rows.cpu(), held_rows.cpu())
         return self._split[1]
+
+    def fit_positions(self, held_out: int = HELD_OUT) -> torch.Tensor:
+        """``[n_fit]`` int64: the position of each of ``split``'s fit rows, ``-1`` where its source did not say
+        (``first_position``). Raises ``RuntimeError`` if nothing was recorded."""
+        self.split(held_out)
+        positions = torch.cat(self.positions) if self.positions else torch.zeros(0, dtype=torch.long)
+        if len(positions) != sum(p.shape[1] for p in self.parts):  # parts added without positions: unknown
+            positions = torch.full((sum(p.shape[1] for p in self.parts),), -1, dtype=torch.long)
+        if self._pool_rows is not None:
+            positions = positions[self._pool_rows]
+        return positions[self._split[2][0]]
 
     def split_rows(self, held_out: int = HELD_OUT) -> tuple[torch.Tensor, torch.Tensor]:
         """``(fit rows, held rows)``: int64 indices into the pool of ``split``'s two parts (the pool is the parts
@@ -306,6 +342,11 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         refine_move: what the refinement moves (``am_refine.REFINE_MOVES``): ``"keys"`` (default; the biases and
             values stay the closed form's) or ``"keys+beta+values"`` (the thirty-first session's refinement).
         refine_lr: Adam's step (default 0.01), in units of the kept keys' (and values') RMS, in logits for beta.
+        refine_queries: ``"in-window"`` (default) or ``"all"`` (``params.REFINE_QUERIES``): the refinement fits only
+            the fit queries at positions below the model's ``max_position_embeddings`` (KVzip's repeat pass is fed
+            after the whole context, so on a context near the window most of its queries sit past it), and refines
+            a head only with at least ``queries_per_entry`` of them per kept entry; on shorter contexts every query
+            is within the window and both settings are the same. Packs from before read as ``"all"``.
         weights: ``"uniform"`` (default, the paper's) or ``"share"``: each reference query's rows of the fit
             weighted by the share of its attention over ``[sink, context]`` that falls on the context
             (``am_fit.context_share``; kvpack's), so queries resting on the attention sink no longer drive it.
@@ -354,6 +395,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         for i, l in enumerate(spec.compressed_layers):
             cache.layers[l].queries = self._reservoirs[i]
             self._reservoirs[i].context_range = self._context_range  # set only when one chunk is the whole context
+            self._reservoirs[i].first_position = cache.get_seq_length()  # fed after the whole context
 
     @torch.inference_mode()
     def score(self, model, tokenizer, prefill: Prefill, progress: Callable[[int], None] | None = None
@@ -384,14 +426,14 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                 self._reservoirs = studied
             else:  # one pool, subsampled to ``queries`` by ``QueryReservoir.split``
                 for mine, theirs in zip(self._reservoirs, studied):
-                    mine.parts.extend(theirs.parts)
+                    mine.extend(theirs)
         elif self.reference in PREFILL_REFERENCES:
             recorded = self._prefill_queries(model, prefill).reservoirs
             if self.reference == "prefill":
                 self._reservoirs = recorded
             else:  # prefill+repeat: one pool, subsampled to ``queries`` by ``QueryReservoir.split``
                 for mine, theirs in zip(self._reservoirs, recorded):
-                    mine.parts.extend(theirs.parts)
+                    mine.extend(theirs)
         elif self.reference != "repeat":
             from .am_continue import continuation_queries
 
@@ -401,7 +443,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                 self._reservoirs = sampled
             else:  # both: one pool, subsampled to ``queries`` by ``QueryReservoir.split``
                 for mine, theirs in zip(self._reservoirs, sampled):
-                    mine.parts.extend(theirs.parts)
+                    mine.extend(theirs)
         if self.ridge_search:
             rec = self._prefill_queries(model, prefill)
             self._validation = (rec.tail_queries, rec.tail_start, rec.scaling)
@@ -633,6 +675,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         # ridge search: choose_fit compares the candidates (the copied values among them) on the validation
         # queries, which stands in for fit_head's residual check
         validated = self.ridge_search and self.values == "fit"
+        refined_rows = self._refine_rows(reservoirs[i]) if validated and self.refine_steps > 0 else None
         for h in range(keys.shape[0]):
             kept = keep[i, h].nonzero().squeeze(1).to(keys.device)
             cached = self._context_cache.pop((i, h), None)  # the RMS selection's pass, if on these same queries
@@ -657,9 +700,15 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                     keys[h], values[h], positions, sink, kept, fit.beta, *fit.design, vq, vpos, vscale,
                     C.MAX_KV_ABS, normal=fit.normal, full=want,
                     plain=fit.values if self.ridge == 0 else None)  # fit_head solved the ridge-0 values already
-                if self.refine_steps > 0:  # gradient steps from the chosen candidate, kept if validated better
-                    got = self._refine(keys[h], values[h], positions, sink, kept, beta, new_values, fit_q[h],
-                                       scaling, context, vq, vpos, vscale, want, verrors[name])
+                # gradient steps from the chosen candidate, kept if validated better; on the in-window fit queries
+                # alone where some sit past the window, and only with queries_per_entry of them per kept entry
+                queries, part = fit_q[h], context
+                if refined_rows is not None:
+                    rows = refined_rows.to(fit_q.device)
+                    queries, part = queries[rows], None if context is None else (context[0][rows], context[1][rows])
+                if self.refine_steps > 0 and queries.shape[0] >= self.queries_per_entry * len(kept):
+                    got = self._refine(keys[h], values[h], positions, sink, kept, beta, new_values, queries,
+                                       scaling, part, vq, vpos, vscale, want, verrors[name])
                     if got is not None:
                         name, (new_keys, beta, new_values) = "refined", got
                 tally.chosen[name] = tally.chosen.get(name, 0) + 1
@@ -697,6 +746,18 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         tally.errors.append(_mean(err))
         tally.baseline.append(_mean(base))
         tally.mass.append(_mean(ms))
+
+    def _refine_rows(self, reservoir: "QueryReservoir") -> torch.Tensor | None:
+        """With ``refine_queries="in-window"``, the indices ``[m]`` of ``reservoir``'s fit rows whose queries sit
+        within the model's positions (``max_position_embeddings``; rows of unknown position count as within), or
+        ``None`` when that is every row (or ``refine_queries="all"``, or the model sets no window): the refinement
+        then fits every fit row. Rows past the window are the model extrapolating, not queries any later token
+        asks (BENCHMARKS.md, "Issue 28, thirty-fifth session")."""
+        window = getattr(getattr(self._model, "config", None), "max_position_embeddings", None)
+        if self.refine_queries != "in-window" or not isinstance(window, int) or window <= 0:
+            return None
+        inside = reservoir.fit_positions() < window
+        return None if bool(inside.all()) else inside.nonzero().squeeze(1)
 
     def _refine(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, sink: int,
                 kept: torch.Tensor, beta: torch.Tensor, new_values: torch.Tensor, queries: torch.Tensor, scaling: float,

@@ -32,7 +32,7 @@ __all__ = ["Option", "option", "MethodParams", "PARAMS", "CommandLineOption", "c
            "parameter_types", "parse_value", "SCOPES", "SCORINGS", "MERGE_MODES", "SELECTIONS",
            "UNFITTED_SELECTIONS", "VALUE_MODES",
            "REFERENCES", "SHIFTS", "RIDGE_TARGETS", "FIT_WEIGHTS", "BUDGETS", "SCORE_QUERIES", "MAX_QUERIES",
-           "REFINE_MOVES", "REFINE_LR",
+           "REFINE_MOVES", "REFINE_LR", "REFINE_QUERIES",
            "check_int", "check_float", "check_choice", "check_bool"]
 
 #: The top-k scopes of ``Method.select`` (``budget``): one top-k over everything, per layer, per KV head.
@@ -69,6 +69,10 @@ REFINE_MOVES = ("keys", "keys+beta+values")
 #: The refinement's Adam step before ``refine_lr`` existed (issue 28's thirty-first session), in units of the kept
 #: keys' and values' RMS (logits for beta).
 REFINE_LR = 0.005
+#: Which reference queries the refinement fits (``refine_queries``): those at positions within the model's position
+#: window (``max_position_embeddings``; KVzip's repeat pass is fed after the whole context, so on a context near the
+#: window most of its queries sit past it), or all of them.
+REFINE_QUERIES = ("in-window", "all")
 #: Largest self-study sampling temperature accepted (above it the answers are noise) and largest seed (the
 #: generators' seeds, ``seed * 1,000,003 + prompt``, stay within a 64-bit integer).
 MAX_TEMPERATURE, MAX_SEED = 100.0, 2**32 - 1
@@ -249,7 +253,9 @@ class AttentionMatchingParams(KVzipParams):
                                                "head_floor": 0.0, "unfitted_selection": "same",
                                                # the refinement moved everything before issue 28's 34th session
                                                "refine_move": "keys+beta+values", "refine_lr": REFINE_LR,
-                                               "refine_batch": 1024}
+                                               "refine_batch": 1024,
+                                               # past-the-window queries refined on before the 35th session
+                                               "refine_queries": "all"}
     max_head_ratio: float = option(0.75, "most of a KV head's own context entries it may keep with --budgets "
                                          "global-capped or schedule (the paper's --max-ratio-per-head)",
                                    low=0.0, high=1.0)
@@ -342,6 +348,12 @@ class AttentionMatchingParams(KVzipParams):
                               choices=REFINE_MOVES)
     refine_lr: float = option(0.01, "Adam's step of --refine-steps, in units of the kept keys' (and values') RMS",
                               low=1e-6, high=1.0)
+    # SmolLM2 at 7,680 tokens, where 3/4 of the repeat pass's queries sit past its 8,192 positions: refining on them
+    # doubled AM's keep-0.1 loss (BENCHMARKS.md, "Issue 28, thirty-fifth session"); packs from before read as all
+    refine_queries: str = option("in-window", "which reference queries --refine-steps fits: those at positions "
+                                              "within the model's window (max_position_embeddings), a head refined "
+                                              "only with --queries-per-entry of them per kept entry, or all",
+                                 choices=REFINE_QUERIES)
     weights: str = option("uniform", "how the fit weighs each reference query: alike (the paper's), or by the share "
                                      "of its attention on the context rather than the attention sink (kvpack's)",
                           flag="--fit-weights", choices=FIT_WEIGHTS)
@@ -368,9 +380,10 @@ class AttentionMatchingParams(KVzipParams):
             why = ("it refines the candidate --ridge-search chooses, kept only where the validation queries agree: "
                    "it needs --ridge-search and --values fit")
             out["refine_steps"] = out["refine_batch"] = why
-            out["refine_move"] = out["refine_lr"] = why
+            out["refine_move"] = out["refine_lr"] = out["refine_queries"] = why
         elif not params.get("refine_steps"):
-            out["refine_batch"] = out["refine_move"] = out["refine_lr"] = "it applies only to --refine-steps"
+            out["refine_batch"] = out["refine_move"] = out["refine_lr"] = out["refine_queries"] = \
+                "it applies only to --refine-steps"
         if params.get("reference") not in ("self-study", "self-study+repeat"):
             for k in ("self_study_tokens", "self_study_temperature", "self_study_seed", "self_study_samples"):
                 out[k] = "it applies only to --reference self-study and self-study+repeat"
@@ -420,6 +433,7 @@ class AttentionMatchingParams(KVzipParams):
                              f"(--refine-batch) <= {MAX_QUERIES}, got {self.refine_steps!r} and {self.refine_batch!r}")
         check_choice(self.name, "refine_move", self.refine_move, REFINE_MOVES)
         check_float(self.name, "refine_lr", self.refine_lr, 1e-6, 1.0)
+        check_choice(self.name, "refine_queries", self.refine_queries, REFINE_QUERIES)
         self.refine_lr = float(self.refine_lr)
         check_choice(self.name, "values", self.values, VALUE_MODES)
         check_int(self.name, "queries", self.queries, 16)
