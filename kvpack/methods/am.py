@@ -163,12 +163,13 @@ class QueryReservoir:
         return self._split[1]
 
     def fit_positions(self, held_out: int = HELD_OUT) -> torch.Tensor:
-        """``[n_fit]`` int64: the position of each of ``split``'s fit rows, ``-1`` where its source did not say
-        (``first_position``). Raises ``RuntimeError`` if nothing was recorded."""
+        """``[n_fit]`` int64: the RoPE position (in tokens) of each of ``split``'s fit rows, ``-1`` where its source
+        did not say (``first_position``). Raises ``RuntimeError`` if nothing was recorded."""
         self.split(held_out)
-        positions = torch.cat(self.positions) if self.positions else torch.zeros(0, dtype=torch.long)
-        if len(positions) != sum(p.shape[1] for p in self.parts):  # parts added without positions: unknown
-            positions = torch.full((sum(p.shape[1] for p in self.parts),), -1, dtype=torch.long)
+        rows = sum(p.shape[1] for p in self.parts)
+        positions = torch.cat(self.positions) if self.positions else None
+        if positions is None or len(positions) != rows:  # parts added without positions: all unknown
+            positions = torch.full((rows,), -1, dtype=torch.long)
         if self._pool_rows is not None:
             positions = positions[self._pool_rows]
         return positions[self._split[2][0]]
