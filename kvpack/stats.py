@@ -115,12 +115,18 @@ class ContextAttention:
 
     Args:
         start, stop: the key range (``0 <= start < stop``; it must lie before the queries' own keys).
+        rows: optional ``[m]`` int64, the query rows whose ``output`` and ``lse`` are kept, as indices into the
+            ``group x q`` rows of a KV head (row ``g x q + i`` is query ``i`` of group member ``g``, the order of
+            ``query.reshape(kv_heads, group * q, d)``); ``None``: all. ``square_sums`` always counts every row.
 
     Attributes (after the call; GQA group ``g`` of KV head ``h`` is query head ``h x group + g``):
-        output: ``[kv_heads, group, q, dv]`` float32, ``softmax(q . k[start:stop] * scaling) @ v[start:stop]``.
-        lse: ``[kv_heads, group, q]`` float32, ``logsumexp(q . k[start:stop] * scaling)``.
+        output: ``[kv_heads, group, q, dv]`` float32, ``softmax(q . k[start:stop] * scaling) @ v[start:stop]``;
+            with ``rows``, ``[kv_heads, m, dv]``, those rows alone.
+        lse: ``[kv_heads, group, q]`` float32, ``logsumexp(q . k[start:stop] * scaling)``; with ``rows``
+            ``[kv_heads, m]``.
         square_sums: ``[kv_heads, stop - start]`` float32, per key the sum over the queries and the group of that
-            softmax's probability squared (``rms = sqrt(square_sums / (group x q))``).
+            softmax's probability squared (``rms = sqrt(square_sums / count)``).
+        count: the rows ``square_sums`` sums over, ``group x q``.
         resolved: ``False`` while not computed, or when some query's probability mass on the range was too small
             (below ``MIN_MASS``) for the restricted softmax to keep float32's precision; use neither then.
     """
@@ -129,11 +135,12 @@ class ContextAttention:
     #: softmax's probabilities (below it those probabilities have lost most of their float32 digits).
     MIN_MASS = 1e-20
 
-    def __init__(self, start: int, stop: int):
+    def __init__(self, start: int, stop: int, rows: torch.Tensor | None = None):
         if not 0 <= start < stop:
             raise ValueError(f"ContextAttention: need 0 <= start < stop, got {start}, {stop}")
-        self.start, self.stop = int(start), int(stop)
+        self.start, self.stop, self.rows = int(start), int(stop), rows
         self.output = self.lse = self.square_sums = None
+        self.count = 0
         self.resolved = False
 
 
@@ -220,6 +227,11 @@ def one_pass_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             context.square_sums += torch.bmm(mass.square().reciprocal_().transpose(1, 2), inside.square_())[:, 0]
     if context is not None:
         context.resolved = least_mass >= ContextAttention.MIN_MASS
+        context.count = group * q_len
+        if context.rows is not None:  # the kept rows alone (the others counted in square_sums only)
+            rows = context.rows.to(q.device)
+            context.output = context.output.reshape(kv_heads, group * q_len, -1)[:, rows]
+            context.lse = context.lse.reshape(kv_heads, group * q_len)[:, rows]
     out = out.view(1, heads, q_len, -1).transpose(1, 2).contiguous().to(query.dtype)
     return out, None if sums is None else sums.view(heads, kv_len)
 

@@ -1055,6 +1055,53 @@ def test_kvzip_plus_scoring_gives_am_kvzip_plus_selection():
     assert am.metadata["stats"]["fit"]["queries"] > 0
 
 
+def test_rms_selection_takes_a_subsampled_repeat_pass_attention(monkeypatch):
+    """A whole-context repeat pass with more query rows than ``queries`` (GQA groups make ``group x tokens`` rows
+    per KV head) still hands its attention over: the fit's targets and log-sum-exps are those of its own rows (the
+    rows each subsampling kept, in the pool's order), and the RMS is the square sums of every row the pass
+    attended, less the held-out rows', scaled to the fit rows' count, plus the self-study rows attended again."""
+    import kvpack.methods.am as am_module
+
+    model, tok = tiny_model("llama")
+    spec, layout = model_spec(model), chat_layout(tok)
+    prefix = layout.prefix_ids(tok)
+    full = prefill(model, prefix + layout.encode(tok, TEXT), len(prefix), layout, spec, 4096)
+    recorded, real_append = {}, QueryReservoir.append
+
+    def append(self, item):  # every query of the repeat pass, before any subsampling
+        if self.context_range is not None:
+            recorded.setdefault(id(self), []).append(item[0].reshape(self.kv_heads, -1, item[0].shape[-1]))
+        real_append(self, item)
+
+    monkeypatch.setattr(QueryReservoir, "append", append)
+    scorer = get_method("am", chunk_size=4096, reference="self-study+repeat", self_study_tokens=3, queries=64,
+                        queries_per_entry=1.0)
+    scorer.select(scorer.score(model, tok, full), 0.1, full)
+    assert scorer._context_cache
+    for i, reservoir in enumerate(scorer._reservoirs):
+        pooled = reservoir.context_statistics()
+        assert pooled is not None and reservoir._pool_rows is not None  # the pool was subsampled
+        every = torch.cat(recorded[id(reservoir)], dim=1).float()
+        assert pooled.count == every.shape[1] > sum(p.shape[1] for p in reservoir.parts[:1])
+        fit, held, scaling = scorer._reference(i)
+        fit_rows, held_rows = reservoir.split_rows()
+        known, held_known = pooled.has[fit_rows], pooled.has[held_rows]
+        layer = full.spec.compressed_layers[i]
+        keys, values = full.keys[layer][:, full.sink :].float(), full.values[layer][:, full.sink :].float()
+        rms = scorer._rms_scores(full, i)
+        for h in range(keys.shape[0]):
+            def square_sum(q):
+                return rms_attention(q, keys[h], scaling).square() * q.shape[0]
+            scale = int(known.sum()) / (every.shape[1] - int(held_known.sum()))
+            squares = (square_sum(every[h]) - square_sum(held[h][held_known])) * scale + square_sum(fit[h][~known])
+            torch.testing.assert_close(rms[h], squares.clamp_min(0).div(fit.shape[1]).sqrt(), atol=1e-6, rtol=1e-4)
+            if (i, h) in scorer._context_cache:
+                _, target, lse = scorer._context_cache[(i, h)]
+                want, want_lse = context_attention(fit[h], keys[h], values[h], scaling)
+                torch.testing.assert_close(target, want, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("reference", ["repeat", "self-study+repeat"])
 def test_rms_selection_takes_the_repeat_pass_attention_over_a_whole_context(monkeypatch, reference):
     """A repeat pass over the whole context (one chunk) also records its queries' attention over the context

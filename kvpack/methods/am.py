@@ -68,7 +68,7 @@ class QueryReservoir:
         #: (``context_attention``), so the RMS selection need not attend over the context again.
         self.context_range: tuple[int, int] | None = None
         self.contexts: dict[int, ContextAttention] = {}  # part index -> its queries' attention over the context
-        self._whole = False  # whether the last appended part kept every row
+        self._last_rows: torch.Tensor | None = None  # the last appended call's rows in its part (None: all)
         #: Position of the first query of each call appended from now on (a call's ``q`` queries sit at
         #: ``first_position + 0 .. q - 1``), or ``None``: positions unknown, recorded as -1. The sources other than
         #: the repeat pass stay within the model's positions (self-study and sampled continuations stop where
@@ -82,8 +82,7 @@ class QueryReservoir:
         query, self.scaling = item
         heads, q, d = query.shape
         pooled = query.reshape(self.kv_heads, (heads // self.kv_heads) * q, d)  # rows: the group's heads, then q
-        self._whole = pooled.shape[1] <= self.cap
-        rows = self._subsample_rows(pooled.shape[1])
+        rows = self._last_rows = self._subsample_rows(pooled.shape[1])
         self.parts.append((pooled if rows is None else pooled[:, rows.to(pooled.device)]).float())
         if self.first_position is None:
             positions = torch.full((pooled.shape[1],), -1, dtype=torch.long)
@@ -99,29 +98,27 @@ class QueryReservoir:
 
     def context_attention(self, visible: int) -> ContextAttention | None:
         """For the attention call that just appended its queries, seeing its first ``visible`` keys: a
-        ``ContextAttention`` over ``context_range`` for it to fill in (kept as that part's), or ``None`` when no
-        range is set, the range is not all visible, or the part was subsampled."""
-        if self.context_range is None or not self._whole or self.context_range[1] > visible:
+        ``ContextAttention`` over ``context_range`` for it to fill in (kept as that part's: the output and
+        log-sum-exp of the rows the part kept, the square sums of all the call's rows), or ``None`` when no range
+        is set or the range is not all visible."""
+        if self.context_range is None or self.context_range[1] > visible:
             return None
-        context = ContextAttention(*self.context_range)
+        context = ContextAttention(*self.context_range, rows=self._last_rows)
         self.contexts[len(self.parts) - 1] = context
         return context
 
     def context_statistics(self) -> "PooledContext | None":
-        """The recorded ``ContextAttention`` of the pool's rows (``PooledContext``), or ``None`` when there are
-        none, one did not resolve, or the pool is subsampled (its square sums would count rows the pool lacks)."""
-        if not self.contexts or sum(p.shape[1] for p in self.parts) > self.cap:
-            return None
-        if not all(c.resolved for c in self.contexts.values()):
+        """The recorded ``ContextAttention`` of the pool's rows (``PooledContext``; after ``split``'s
+        subsampling when the pool is over ``cap``), or ``None`` when there are none or one did not resolve."""
+        if not self.contexts or not all(c.resolved for c in self.contexts.values()):
             return None
         sizes = [p.shape[1] for p in self.parts]
-        any_context = next(iter(self.contexts.values()))
-        dv = any_context.output.shape[-1]
-        has, output, lse, squares = torch.zeros(sum(sizes), dtype=torch.bool), [], [], None
+        dv = next(iter(self.contexts.values())).output.shape[-1]
+        has, output, lse, squares, count = torch.zeros(sum(sizes), dtype=torch.bool), [], [], None, 0
         start = 0
         for index, rows in enumerate(sizes):
             c = self.contexts.get(index)
-            if c is None or c.output.shape[1] * c.output.shape[2] != rows:
+            if c is None or c.output.reshape(self.kv_heads, -1, dv).shape[1] != rows:
                 output.append(torch.zeros(self.kv_heads, rows, dv))
                 lse.append(torch.zeros(self.kv_heads, rows))
             else:
@@ -129,10 +126,15 @@ class QueryReservoir:
                 output.append(c.output.reshape(self.kv_heads, rows, dv).cpu())
                 lse.append(c.lse.reshape(self.kv_heads, rows).cpu())
                 squares = c.square_sums.cpu() if squares is None else squares + c.square_sums.cpu()
+                count += c.count
             start += rows
         if squares is None:
             return None
-        return PooledContext(has, torch.cat(output, dim=1), torch.cat(lse, dim=1), squares)
+        output, lse = torch.cat(output, dim=1), torch.cat(lse, dim=1)
+        rows = self._pooled()[1]
+        if rows is not None:
+            has, output, lse = has[rows], output[:, rows], lse[:, rows]
+        return PooledContext(has, output, lse, squares, count)
 
     def _subsample_rows(self, n: int) -> torch.Tensor | None:
         """``cap`` of ``n`` rows, seeded and sorted (``[cap]`` int64), or ``None`` when ``n <= cap`` (all)."""
@@ -140,20 +142,25 @@ class QueryReservoir:
             return None
         return torch.randperm(n, generator=self.generator)[: self.cap].sort().values
 
-    def split(self, held_out: int = HELD_OUT) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(fit, held)``: ``[kv_heads, n_fit, head_dim]`` and ``[kv_heads, n_held, head_dim]`` float32, with
-        ``n_fit + n_held <= cap`` and ``n_held = min(held_out, pool / 8)``. Raises ``RuntimeError`` if nothing
-        was recorded."""
+    def _pooled(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(pool, rows)``: the parts concatenated (``[kv_heads, N, head_dim]``), subsampled to ``cap`` rows once
+        per set of parts, and the rows kept (``[cap]`` int64 into the concatenation, or ``None``: all). Raises
+        ``RuntimeError`` if nothing was recorded."""
         if not self.parts:
             raise RuntimeError("no reference queries were recorded (the repeat pass did not run)")
         if self._pool is None or self._pool[0] != len(self.parts):  # subsampled once per set of parts
             pooled = torch.cat(self.parts, dim=1)
-            self._pool_rows = self._subsample_rows(pooled.shape[1])
-            rows = self._pool_rows
+            self._pool_rows = rows = self._subsample_rows(pooled.shape[1])
             self._pool = len(self.parts), pooled if rows is None else pooled[:, rows.to(pooled.device)]
             self._split = None
+        return self._pool[1], self._pool_rows
+
+    def split(self, held_out: int = HELD_OUT) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(fit, held)``: ``[kv_heads, n_fit, head_dim]`` and ``[kv_heads, n_held, head_dim]`` float32, with
+        ``n_fit + n_held <= cap`` and ``n_held = min(held_out, pool / 8)``. Raises ``RuntimeError`` if nothing
+        was recorded."""
+        pool = self._pooled()[0]
         if self._split is None or self._split[0] != held_out:
-            pool = self._pool[1]
             n = pool.shape[1]
             held = min(held_out, n // 8)
             # held-out rows drawn at random (not the pool's first rows: those are one query head's first positions)
@@ -186,13 +193,15 @@ class PooledContext:
     """The repeat pass's attention over the context for a ``QueryReservoir``'s pool of ``N`` rows
     (``QueryReservoir.context_statistics``): ``has`` ``[N]`` bool, the rows that have it; ``output``
     ``[kv_heads, N, dv]`` and ``lse`` ``[kv_heads, N]`` float32 (zeros where ``has`` is false); ``square_sums``
-    ``[kv_heads, context]`` float32, per context entry the sum over the rows that have it of its probability
-    squared (``kvpack.stats.ContextAttention``)."""
+    ``[kv_heads, context]`` float32, per context entry the sum of its probability squared over every row the
+    recording calls attended (``kvpack.stats.ContextAttention``), ``count`` of them: the rows of the pool that
+    have it, and, where the calls or the pool were subsampled to ``cap``, the rows left out too."""
 
     has: torch.Tensor
     output: torch.Tensor
     lse: torch.Tensor
     square_sums: torch.Tensor
+    count: int
 
 
 @dataclass
@@ -222,7 +231,12 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     float32 one (``kvpack.stats.one_pass_attention``), it also gives the RMS selection its queries' attention over
     the context from the same probabilities (``QueryReservoir.context_attention``): only the reference rows
     without it (the self-study answers') are attended again. Otherwise the selection attends over the context
-    itself; the results agree to float32 rounding (``tests/test_am.py``).
+    itself; the results agree to float32 rounding (``tests/test_am.py``). Where the pass has more query rows than
+    ``queries`` (a GQA group of ``g`` query heads gives ``g x`` the context's tokens per KV head, so on most models
+    from 2K tokens), the fit still takes its targets from the pass, and the RMS counts the squares of every row the
+    pass attended, scaled to the fit rows' count: the same mean over the queries, estimated from all of them rather
+    than from the subsample (the reference model's selection went from 0.70 s to 0.15 s at 2K tokens,
+    BENCHMARKS.md, "Issue 28, thirty-sixth session").
 
     Kept keys: ``ratio`` is the share of all context entries kept, over every compressed layer and KV head, split
     per head by ``budgets`` (``kvpack.methods.budgets``) over KVzip's scores: ``"global"`` (default: KVzip's global
@@ -582,7 +596,9 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         probability within the context (the paper's ``score_method="rms"``). With ``counts`` (``[kv_heads]``, each
         head's kept entries), for each head that ``_fitted`` says will be fitted on these same queries (off-policy,
         ``shift="lse"``) the same pass also computes the queries' attention over the context and keeps it for the
-        fit (``_context_cache``, up to ``CONTEXT_CACHE_BYTES``)."""
+        fit (``_context_cache``, up to ``CONTEXT_CACHE_BYTES``). Where the repeat pass recorded its attention over
+        the context (``QueryReservoir.context_statistics``), its rows are not attended again: their squares are the
+        pass's, less the held-out rows', scaled to the fit rows' count (exact when the pool was not subsampled)."""
         fit, held, scaling = self._reference(i)
         layer = prefill.spec.compressed_layers[i]
         keys = prefill.keys[layer][:, prefill.sink :].float()
@@ -596,6 +612,10 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         if pooled is not None:
             fit_rows, held_rows = self._reservoirs[i].split_rows()
             missing, held_known = ~pooled.has[fit_rows], pooled.has[held_rows]
+            # the pass's squares, less the held-out rows', stand for the fit rows that have them: scaled to their
+            # count (1 unless the pool was subsampled, when they are the unbiased estimate from every row)
+            others = pooled.count - int(held_known.sum())
+            scale = int((~missing).sum()) / others if others > 0 else 0.0
         out = []
         for h in range(keys.shape[0]):
             row_bytes = 4 * (values.shape[-1] + 1)
@@ -613,6 +633,8 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                 if bool(held_known.any()):
                     held_h = held[h][held_known.to(held.device)]
                     squares -= rms_attention(held_h, keys[h], scaling).square_().mul_(held_h.shape[0])
+                if scale != 1.0:
+                    squares.mul_(scale)
                 if rms is not None:
                     squares += rms.square_().mul_(rows.shape[0])
                 if keep:
