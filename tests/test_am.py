@@ -1102,6 +1102,47 @@ def test_rms_selection_takes_a_subsampled_repeat_pass_attention(monkeypatch):
                 torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunk_size", [4096, 16])
+def test_select_queries_all_averages_over_every_recorded_query_but_the_held_out(monkeypatch, chunk_size):
+    """``select_queries="all"``: the RMS selection's mean runs over every query recorded (the whole-context repeat
+    pass's every row, which it attended itself, or, chunked, the parts' rows), less the held-out rows, rather than
+    over the fit's subsample; ``"fit"`` differs from it once the pool is subsampled."""
+    model, tok = tiny_model("llama")
+    spec, layout = model_spec(model), chat_layout(tok)
+    prefix = layout.prefix_ids(tok)
+    full = prefill(model, prefix + layout.encode(tok, TEXT), len(prefix), layout, spec, 4096)
+    recorded, real_append = {}, QueryReservoir.append
+
+    def append(self, item):  # the whole-context repeat pass's every query, before the call's subsampling
+        if self.context_range is not None:
+            recorded.setdefault(id(self), []).append(item[0].reshape(self.kv_heads, -1, item[0].shape[-1]))
+        real_append(self, item)
+
+    monkeypatch.setattr(QueryReservoir, "append", append)
+    rms = {}
+    for which in ("all", "fit"):
+        scorer = get_method("am", chunk_size=chunk_size, reference="self-study+repeat", self_study_tokens=3,
+                            queries=64, select_queries=which)
+        scorer.score(model, tok, full)
+        rms[which] = torch.stack([scorer._rms_scores(full, i) for i in range(len(scorer._reservoirs))])
+    for i, reservoir in enumerate(scorer._reservoirs):
+        assert reservoir._pool_rows is not None  # subsampled
+        whole = recorded.get(id(reservoir), [])
+        assert bool(whole) == (chunk_size == 4096)
+        parts = [p for j, p in enumerate(reservoir.parts) if not whole or j not in reservoir.contexts]
+        every = torch.cat([w.float() for w in whole] + parts, dim=1)
+        _, held, scaling = scorer._reference(i)
+        layer = full.spec.compressed_layers[i]
+        keys = full.keys[layer][:, full.sink :].float()
+        for h in range(keys.shape[0]):
+            is_held = torch.zeros(every.shape[1], dtype=torch.bool)
+            for row in held[h]:  # one copy of each held-out row (a chunk's repeat prompt repeats in layer 0)
+                is_held[int(((every[h] == row).all(-1) & ~is_held).nonzero()[0])] = True
+            want = rms_attention(every[h][~is_held], keys[h], scaling)
+            torch.testing.assert_close(rms["all"][i, h], want, atol=1e-6, rtol=1e-4)
+    assert not torch.allclose(rms["all"], rms["fit"], atol=1e-6, rtol=1e-4)
+
+
 @pytest.mark.parametrize("reference", ["repeat", "self-study+repeat"])
 def test_rms_selection_takes_the_repeat_pass_attention_over_a_whole_context(monkeypatch, reference):
     """A repeat pass over the whole context (one chunk) also records its queries' attention over the context

@@ -107,18 +107,48 @@ class QueryReservoir:
         self.contexts[len(self.parts) - 1] = context
         return context
 
+    def _usable_contexts(self) -> dict[int, ContextAttention]:
+        """The parts' recorded ``ContextAttention`` that cover every row of their part, or none at all when
+        one did not resolve."""
+        if not self.contexts or not all(c.resolved for c in self.contexts.values()):
+            return {}
+        dv = next(iter(self.contexts.values())).output.shape[-1]
+        return {i: c for i, c in self.contexts.items()
+                if i < len(self.parts) and c.output.reshape(self.kv_heads, -1, dv).shape[1] == self.parts[i].shape[1]}
+
+    def left_out(self, without_context: bool = False) -> torch.Tensor | None:
+        """``[kv_heads, m, head_dim]`` float32: the recorded rows ``split``'s subsampling left out of the pool (in
+        neither the fit nor the held-out rows; with ``without_context``, only those of parts without a recorded
+        ``ContextAttention``), or ``None`` when there are none. Raises ``RuntimeError`` if nothing was recorded."""
+        rows = self._pooled()[1]
+        if rows is None:
+            return None
+        out = torch.ones(sum(p.shape[1] for p in self.parts), dtype=torch.bool)
+        out[rows] = False
+        if without_context:
+            start = 0
+            contexts = self._usable_contexts()
+            for index, part in enumerate(self.parts):
+                if index in contexts:
+                    out[start : start + part.shape[1]] = False
+                start += part.shape[1]
+        if not bool(out.any()):
+            return None
+        return torch.cat(self.parts, dim=1)[:, out.to(self.parts[0].device)]
+
     def context_statistics(self) -> "PooledContext | None":
         """The recorded ``ContextAttention`` of the pool's rows (``PooledContext``; after ``split``'s
         subsampling when the pool is over ``cap``), or ``None`` when there are none or one did not resolve."""
-        if not self.contexts or not all(c.resolved for c in self.contexts.values()):
+        contexts = self._usable_contexts()
+        if not contexts:
             return None
         sizes = [p.shape[1] for p in self.parts]
-        dv = next(iter(self.contexts.values())).output.shape[-1]
+        dv = next(iter(contexts.values())).output.shape[-1]
         has, output, lse, squares, count = torch.zeros(sum(sizes), dtype=torch.bool), [], [], None, 0
         start = 0
         for index, rows in enumerate(sizes):
-            c = self.contexts.get(index)
-            if c is None or c.output.reshape(self.kv_heads, -1, dv).shape[1] != rows:
+            c = contexts.get(index)
+            if c is None:
                 output.append(torch.zeros(self.kv_heads, rows, dv))
                 lse.append(torch.zeros(self.kv_heads, rows))
             else:
@@ -128,8 +158,6 @@ class QueryReservoir:
                 squares = c.square_sums.cpu() if squares is None else squares + c.square_sums.cpu()
                 count += c.count
             start += rows
-        if squares is None:
-            return None
         output, lse = torch.cat(output, dim=1), torch.cat(lse, dim=1)
         rows = self._pooled()[1]
         if rows is not None:
@@ -609,13 +637,23 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         pooled = self._reservoirs[i].context_statistics() if self._reservoirs is not None else None
         if pooled is not None and pooled.square_sums.shape[-1] != keys.shape[1]:
             pooled = None
+        every = self.select_queries == "all"
+        # the recorded rows the subsampling left out of the pool: averaged over too with select_queries="all" (those
+        # the repeat pass attended over the context are in its square sums already)
+        extra = self._reservoirs[i].left_out(pooled is not None) if every and self._reservoirs else None
+        n_rows = fit.shape[1]
         if pooled is not None:
             fit_rows, held_rows = self._reservoirs[i].split_rows()
             missing, held_known = ~pooled.has[fit_rows], pooled.has[held_rows]
             # the pass's squares, less the held-out rows', stand for the fit rows that have them: scaled to their
-            # count (1 unless the pool was subsampled, when they are the unbiased estimate from every row)
+            # count (1 unless the pool was subsampled, when they are the unbiased estimate from every row), or,
+            # with select_queries="all", counted as they are
             others = pooled.count - int(held_known.sum())
             scale = int((~missing).sum()) / others if others > 0 else 0.0
+            if every:
+                scale, n_rows = 1.0, others + int(missing.sum())
+        if extra is not None:
+            n_rows += extra.shape[1]
         out = []
         for h in range(keys.shape[0]):
             row_bytes = 4 * (values.shape[-1] + 1)
@@ -637,13 +675,19 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                     squares.mul_(scale)
                 if rms is not None:
                     squares += rms.square_().mul_(rows.shape[0])
+                if extra is not None:
+                    squares += rms_attention(extra[h], keys[h], scaling).square_().mul_(extra.shape[1])
                 if keep:
                     pooled_target = pooled.output[h][fit_rows].to(keys.device)
                     pooled_lse = pooled.lse[h][fit_rows].to(keys.device)
                     if target is not None:
                         pooled_target[missing], pooled_lse[missing] = target, lse
                     target, lse = pooled_target, pooled_lse
-                rms = squares.clamp_min_(0).div_(max(1, fit.shape[1])).sqrt_()
+                rms = squares.clamp_min_(0).div_(max(1, n_rows)).sqrt_()
+            elif extra is not None:  # the fit rows' mean and the left-out rows', weighed by their counts
+                squares = rms.square().mul_(rows.shape[0])
+                squares += rms_attention(extra[h], keys[h], scaling).square_().mul_(extra.shape[1])
+                rms = squares.div_(max(1, n_rows)).sqrt_()
             if keep:
                 self._context_cache[(i, h)] = (fit, target, lse)
             out.append(rms)

@@ -32,7 +32,7 @@ __all__ = ["Option", "option", "MethodParams", "PARAMS", "CommandLineOption", "c
            "parameter_types", "parse_value", "SCOPES", "SCORINGS", "MERGE_MODES", "SELECTIONS",
            "UNFITTED_SELECTIONS", "VALUE_MODES",
            "REFERENCES", "SHIFTS", "RIDGE_TARGETS", "FIT_WEIGHTS", "BUDGETS", "SCORE_QUERIES", "MAX_QUERIES",
-           "REFINE_MOVES", "REFINE_LR", "REFINE_QUERIES",
+           "REFINE_MOVES", "REFINE_LR", "REFINE_QUERIES", "SELECT_QUERIES",
            "check_int", "check_float", "check_choice", "check_bool"]
 
 #: The top-k scopes of ``Method.select`` (``budget``): one top-k over everything, per layer, per KV head.
@@ -73,6 +73,9 @@ REFINE_LR = 0.005
 #: window (``max_position_embeddings``; KVzip's repeat pass is fed after the whole context, so on a context near the
 #: window most of its queries sit past it), or all of them.
 REFINE_QUERIES = ("in-window", "all")
+#: Which reference queries the RMS selection averages over (``select_queries``): the fit's (``queries`` per KV
+#: head, a subsample of the recorded ones on long contexts), or every recorded query but the held-out ones.
+SELECT_QUERIES = ("fit", "all")
 #: Largest self-study sampling temperature accepted (above it the answers are noise) and largest seed (the
 #: generators' seeds, ``seed * 1,000,003 + prompt``, stay within a 64-bit integer).
 MAX_TEMPERATURE, MAX_SEED = 100.0, 2**32 - 1
@@ -255,7 +258,9 @@ class AttentionMatchingParams(KVzipParams):
                                                "refine_move": "keys+beta+values", "refine_lr": REFINE_LR,
                                                "refine_batch": 1024,
                                                # past-the-window queries refined on before the 35th session
-                                               "refine_queries": "all"}
+                                               "refine_queries": "all",
+                                               # the fit's queries alone before issue 28's 36th session
+                                               "select_queries": "fit"}
     max_head_ratio: float = option(0.75, "most of a KV head's own context entries it may keep with --budgets "
                                          "global-capped or schedule (the paper's --max-ratio-per-head)",
                                    low=0.0, high=1.0)
@@ -281,6 +286,11 @@ class AttentionMatchingParams(KVzipParams):
                                      "queries, half of each (kvzip+rms), or OMP (greedy mass matching; slower)",
                             flag="--select",
                             choices=SELECTIONS)
+    select_queries: str = option("fit", "which reference queries --select rms (and kvzip+rms) averages over: the "
+                                        "fit's --queries, or every recorded query but the held-out ones (more "
+                                        "attention where the sources record more than --queries: the repeat pass "
+                                        "records a GQA group's heads x the context's tokens)",
+                                 choices=SELECT_QUERIES)
     unfitted_selection: str = option("same", "which entries a KV head keeps when it is left unfitted (it keeps "
                                              "more entries than its fit queries divided by --queries-per-entry): "
                                              "those --select chose (same), or KVzip's top-scored ones (kvzip), since "
@@ -370,6 +380,8 @@ class AttentionMatchingParams(KVzipParams):
             out["max_head_ratio"] = "it caps only --budgets global-capped and schedule"
         if params.get("budgets") not in ("global", "global-capped"):
             out["head_floor"] = "it applies only to --budgets global and global-capped"
+        if params.get("selection") not in ("rms", "kvzip+rms"):
+            out["select_queries"] = "it applies only to --select rms and kvzip+rms"
         if params.get("selection") == "kvzip" or params.get("values") != "fit" or params.get("on_policy") is True:
             out["unfitted_selection"] = ("it applies only where --select is not kvzip and --values fit leaves some "
                                          "heads unfitted, off-policy")
@@ -424,6 +436,7 @@ class AttentionMatchingParams(KVzipParams):
         super().__post_init__()
         check_choice(self.name, "selection", self.selection, SELECTIONS)
         check_choice(self.name, "unfitted_selection", self.unfitted_selection, UNFITTED_SELECTIONS)
+        check_choice(self.name, "select_queries", self.select_queries, SELECT_QUERIES)
         check_choice(self.name, "weights", self.weights, FIT_WEIGHTS)
         check_bool(self.name, "ridge_search", self.ridge_search)
         check_int(self.name, "refine_steps", self.refine_steps, 0)
