@@ -924,6 +924,21 @@ def test_reservoir_pools_the_gqa_group_and_is_deterministic():
     assert torch.equal(a.split()[0], b.split()[0]) and a.split()[0].shape[1] <= 5
 
 
+@pytest.mark.parametrize("cap", [40, 60, 100])
+def test_per_position_sampling_keeps_a_row_of_every_query_first(cap):
+    """``query_sample="per-position"``: a pool of 40 queries asked by the 3 heads of a GQA group (120 rows)
+    subsampled to ``cap`` keeps one row of every query before a second of any; uniform sampling does not."""
+    counts = {}
+    for per_position in (True, False):
+        r = QueryReservoir(kv_heads=1, cap=cap, per_position=per_position)
+        r.append((torch.randn(3, 40, 4), 1.0))
+        assert r.parts[0].shape[1] == cap
+        counts[per_position] = torch.bincount(r.strata[0], minlength=40)
+        assert sorted(r.strata[0].tolist()) == r.strata[0].sort().values.tolist()
+    assert int(counts[True].min()) == cap // 40 and int(counts[True].max()) == -(-cap // 40)
+    assert int(counts[False].min()) < cap // 40 or int(counts[False].max()) > -(-cap // 40)
+
+
 def test_reservoir_split_is_computed_once_and_holds_out_rows_from_the_whole_pool():
     """The selection (``selection="rms"``) and the fit read the same split, whatever the number of calls; the
     held-out rows are a random subset of the pool (not its first rows, which are one query head's first

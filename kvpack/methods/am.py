@@ -55,8 +55,8 @@ class QueryReservoir:
     those of ``split``'s fit rows (the refinement's ``refine_queries="in-window"``).
     """
 
-    def __init__(self, kv_heads: int, cap: int, seed: int = QUERY_SEED):
-        self.kv_heads, self.cap, self.seed = kv_heads, cap, seed
+    def __init__(self, kv_heads: int, cap: int, seed: int = QUERY_SEED, per_position: bool = False):
+        self.kv_heads, self.cap, self.seed, self.per_position = kv_heads, cap, seed, per_position
         self.parts: list[torch.Tensor] = []
         self.scaling: float | None = None
         self.generator = torch.Generator().manual_seed(seed)
@@ -76,13 +76,20 @@ class QueryReservoir:
         self.first_position: int | None = None
         self.positions: list[torch.Tensor] = []  # per part: [rows] int64, each row's query position or -1
         self._pool_rows: torch.Tensor | None = None  # the pool's rows among the parts' when it is subsampled
+        #: per part: [rows] int64, each row's query (a call's query i, whichever head of the GQA group asked it):
+        #: with ``per_position`` the subsampling keeps one row of every query before a second of any
+        self.strata: list[torch.Tensor] = []
+        self._next_stratum = 0
 
     def append(self, item: tuple[torch.Tensor, float]) -> None:
         """Add one attention call's ``(query [heads, q, head_dim], scaling)``."""
         query, self.scaling = item
         heads, q, d = query.shape
         pooled = query.reshape(self.kv_heads, (heads // self.kv_heads) * q, d)  # rows: the group's heads, then q
-        rows = self._last_rows = self._subsample_rows(pooled.shape[1])
+        strata = (self._next_stratum + torch.arange(q)).repeat(heads // self.kv_heads)
+        self._next_stratum += q
+        rows = self._last_rows = self._subsample_rows(pooled.shape[1], strata)
+        self.strata.append(strata if rows is None else strata[rows])
         self.parts.append((pooled if rows is None else pooled[:, rows.to(pooled.device)]).float())
         if self.first_position is None:
             positions = torch.full((pooled.shape[1],), -1, dtype=torch.long)
@@ -95,6 +102,8 @@ class QueryReservoir:
         ``cap`` by ``split``)."""
         self.parts.extend(other.parts)
         self.positions.extend(other.positions)
+        self.strata.extend(x + self._next_stratum for x in other.strata)
+        self._next_stratum += other._next_stratum
 
     def context_attention(self, visible: int) -> ContextAttention | None:
         """For the attention call that just appended its queries, seeing its first ``visible`` keys: a
@@ -164,11 +173,24 @@ class QueryReservoir:
             has, output, lse = has[rows], output[:, rows], lse[:, rows]
         return PooledContext(has, output, lse, squares, count)
 
-    def _subsample_rows(self, n: int) -> torch.Tensor | None:
-        """``cap`` of ``n`` rows, seeded and sorted (``[cap]`` int64), or ``None`` when ``n <= cap`` (all)."""
+    def _subsample_rows(self, n: int, strata: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``cap`` of ``n`` rows, seeded and sorted (``[cap]`` int64), or ``None`` when ``n <= cap`` (all). Uniform,
+        or with ``per_position`` and ``strata`` (``[n]`` int64, each row's query) stratified: a random row of every
+        query first, then a second of every query, and so on, at random within the last round."""
         if n <= self.cap:
             return None
-        return torch.randperm(n, generator=self.generator)[: self.cap].sort().values
+        if not self.per_position or strata is None or len(strata) != n:
+            return torch.randperm(n, generator=self.generator)[: self.cap].sort().values
+        order = torch.randperm(n, generator=self.generator)  # random within each stratum and round
+        by_stratum = order[torch.sort(strata[order], stable=True).indices]
+        sorted_strata = strata[by_stratum]
+        first = torch.ones(n, dtype=torch.bool)
+        first[1:] = sorted_strata[1:] != sorted_strata[:-1]
+        starts = torch.cummax(torch.where(first, torch.arange(n), torch.zeros(n, dtype=torch.long)), 0).values
+        rank = torch.empty(n, dtype=torch.long)
+        rank[by_stratum] = torch.arange(n) - starts  # each row's round: 0 for its query's first row
+        key = rank.double() + torch.empty(n, dtype=torch.float64).uniform_(0, 1, generator=self.generator)
+        return torch.topk(key, self.cap, largest=False).indices.sort().values
 
     def _pooled(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(pool, rows)``: the parts concatenated (``[kv_heads, N, head_dim]``), subsampled to ``cap`` rows once
@@ -178,7 +200,8 @@ class QueryReservoir:
             raise RuntimeError("no reference queries were recorded (the repeat pass did not run)")
         if self._pool is None or self._pool[0] != len(self.parts):  # subsampled once per set of parts
             pooled = torch.cat(self.parts, dim=1)
-            self._pool_rows = rows = self._subsample_rows(pooled.shape[1])
+            strata = torch.cat(self.strata) if len(self.strata) == len(self.parts) else None
+            self._pool_rows = rows = self._subsample_rows(pooled.shape[1], strata)
             self._pool = len(self.parts), pooled if rows is None else pooled[:, rows.to(pooled.device)]
             self._split = None
         return self._pool[1], self._pool_rows
@@ -329,11 +352,17 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             recorded as ``schedule_sha256``.
         recent: last context tokens every head keeps (in its budget), ``>= 0``.
         selection: ``"rms"`` (default), ``"kvzip"``, ``"kvzip+rms"`` or ``"omp"``.
+        select_queries: ``"fit"`` (default) or ``"all"``: the RMS selection's mean over the fit's queries, or over
+            every recorded query but the held-out ones (``QueryReservoir.left_out``: more attention where the
+            sources recorded more than ``queries``; the same where they did not).
         unfitted_selection: ``"same"`` (default) or ``"kvzip"``: what a head the fit leaves as it is keeps, the
             entries ``selection`` chose or KVzip's (``reselect_within_heads``; inert under ``selection="kvzip"``,
             ``values`` other than ``"fit"`` and ``on_policy``).
         values: ``"fit"``, ``"copy"`` or ``"merge"``.
         queries: reference queries per KV head (fit + held out), ``16 .. 50,000`` (default 8,192).
+        query_sample: ``"uniform"`` (default) or ``"per-position"``: how the recorded queries are subsampled to
+            ``queries`` (``QueryReservoir``: uniformly over the rows, or a row of every query first, the heads of
+            a GQA group asking at the same positions).
         queries_per_entry: a head is fitted only where its fit queries number at least this many times its kept
             entries (default 8, ``>= 1``; kvpack's guard, above).
         on_policy: recompute each layer's queries with the earlier layers compacted.
@@ -429,7 +458,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             return None
         from .am_prefill import PrefillQueries
 
-        reservoirs = ([QueryReservoir(spec.num_kv_heads, self.queries) for _ in spec.compressed_layers]
+        reservoirs = ([self._reservoir(spec) for _ in spec.compressed_layers]
                       if self.reference in PREFILL_REFERENCES else None)
         return PrefillQueries(spec, tokens, reservoirs, TAIL_TOKENS if self.ridge_search else 0, device)
 
@@ -523,9 +552,14 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         pos = torch.arange(start, start + q.shape[1]).repeat(group)
         return q.reshape(-1, q.shape[-1]), pos, scaling
 
+    def _reservoir(self, spec) -> QueryReservoir:
+        """An empty ``QueryReservoir`` of ``spec``'s KV heads, capped at ``queries`` per KV head, subsampled as
+        ``query_sample`` says."""
+        return QueryReservoir(spec.num_kv_heads, self.queries, per_position=self.query_sample == "per-position")
+
     def _new_reservoirs(self, prefill: Prefill) -> list[QueryReservoir]:
         """One empty ``QueryReservoir`` per compressed layer, capped at ``queries`` per KV head."""
-        return [QueryReservoir(prefill.spec.num_kv_heads, self.queries) for _ in prefill.spec.compressed_layers]
+        return [self._reservoir(prefill.spec) for _ in prefill.spec.compressed_layers]
 
     def _reference(self, i: int, reservoirs: list[QueryReservoir] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -708,7 +742,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
 
             def fit_layer(i: int, handed: list[tuple[torch.Tensor, float]]) -> None:
                 if i > 0:  # layer 0's queries are the sources' own (nothing before it is compacted)
-                    reservoirs[i] = QueryReservoir(prefill.spec.num_kv_heads, self.queries)
+                    reservoirs[i] = self._reservoir(prefill.spec)
                     for item in handed:
                         reservoirs[i].append(item)
                 self._fit_layer(prefill, keep, layers, i, reservoirs, tally)
@@ -877,7 +911,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         them."""
         from .am_policy import on_policy_queries, replayed_queries
 
-        reservoir = QueryReservoir(prefill.spec.num_kv_heads, self.queries)
+        reservoir = self._reservoir(prefill.spec)
         if self.reference in REFERENCES_WITH_REPEAT:
             on_policy_queries(self, self._model, self._tokenizer, prefill, layers, i, reservoir)
         if self._sequences:

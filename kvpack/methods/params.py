@@ -32,7 +32,7 @@ __all__ = ["Option", "option", "MethodParams", "PARAMS", "CommandLineOption", "c
            "parameter_types", "parse_value", "SCOPES", "SCORINGS", "MERGE_MODES", "SELECTIONS",
            "UNFITTED_SELECTIONS", "VALUE_MODES",
            "REFERENCES", "SHIFTS", "RIDGE_TARGETS", "FIT_WEIGHTS", "BUDGETS", "SCORE_QUERIES", "MAX_QUERIES",
-           "REFINE_MOVES", "REFINE_LR", "REFINE_QUERIES", "SELECT_QUERIES",
+           "REFINE_MOVES", "REFINE_LR", "REFINE_QUERIES", "SELECT_QUERIES", "QUERY_SAMPLES",
            "check_int", "check_float", "check_choice", "check_bool"]
 
 #: The top-k scopes of ``Method.select`` (``budget``): one top-k over everything, per layer, per KV head.
@@ -76,6 +76,10 @@ REFINE_QUERIES = ("in-window", "all")
 #: Which reference queries the RMS selection averages over (``select_queries``): the fit's (``queries`` per KV
 #: head, a subsample of the recorded ones on long contexts), or every recorded query but the held-out ones.
 SELECT_QUERIES = ("fit", "all")
+#: How the reference queries are subsampled to ``queries`` per KV head (``query_sample``): uniformly over the rows
+#: (each row one query head's query at one position), or a row of every query position first (the heads of a GQA
+#: group ask at the same positions).
+QUERY_SAMPLES = ("uniform", "per-position")
 #: Largest self-study sampling temperature accepted (above it the answers are noise) and largest seed (the
 #: generators' seeds, ``seed * 1,000,003 + prompt``, stay within a 64-bit integer).
 MAX_TEMPERATURE, MAX_SEED = 100.0, 2**32 - 1
@@ -260,7 +264,7 @@ class AttentionMatchingParams(KVzipParams):
                                                # past-the-window queries refined on before the 35th session
                                                "refine_queries": "all",
                                                # the fit's queries alone before issue 28's 36th session
-                                               "select_queries": "fit"}
+                                               "select_queries": "fit", "query_sample": "uniform"}
     max_head_ratio: float = option(0.75, "most of a KV head's own context entries it may keep with --budgets "
                                          "global-capped or schedule (the paper's --max-ratio-per-head)",
                                    low=0.0, high=1.0)
@@ -299,6 +303,10 @@ class AttentionMatchingParams(KVzipParams):
                                              "every head)", choices=UNFITTED_SELECTIONS)
     values: str = option("fit", "kept values fitted by least squares, copied, or D2O-merged", choices=VALUE_MODES)
     queries: int = option(8192, "reference queries per KV head", low=16, high=MAX_QUERIES)
+    query_sample: str = option("uniform", "how the recorded reference queries are subsampled to --queries: uniformly "
+                                          "over the rows, or one row (one head of the GQA group) of every query "
+                                          "position first, then a second, and so on",
+                               choices=QUERY_SAMPLES)
     queries_per_entry: float = option(8.0, "a KV head is fitted only where its fit queries (--queries less the "
                                             "held-out ones) number at least this many times its kept entries; "
                                             "other heads keep their selected entries as they are and show as "
@@ -370,7 +378,8 @@ class AttentionMatchingParams(KVzipParams):
 
     @classmethod
     def inert(cls, params: dict) -> dict[str, str]:
-        """The cap outside capped splits; the floor outside global splits; ``unfitted_selection`` under KVzip's
+        """The cap outside capped splits; the floor outside global splits; ``select_queries`` outside the RMS
+        selections; ``unfitted_selection`` under KVzip's
         selection, unfitted values or on-policy queries; the fit's guards and ridge under the ridge search (which
         chooses among its own fits); the self-study settings without self-study queries (the seed and count with
         greedy answers); the sampled continuation's length without it (``AttentionMatching``'s docstring says where
@@ -437,6 +446,7 @@ class AttentionMatchingParams(KVzipParams):
         check_choice(self.name, "selection", self.selection, SELECTIONS)
         check_choice(self.name, "unfitted_selection", self.unfitted_selection, UNFITTED_SELECTIONS)
         check_choice(self.name, "select_queries", self.select_queries, SELECT_QUERIES)
+        check_choice(self.name, "query_sample", self.query_sample, QUERY_SAMPLES)
         check_choice(self.name, "weights", self.weights, FIT_WEIGHTS)
         check_bool(self.name, "ridge_search", self.ridge_search)
         check_int(self.name, "refine_steps", self.refine_steps, 0)
