@@ -233,16 +233,16 @@ def test_python_dash_m_and_version():
     (["--method", "random", "--seed", "3", "--budget", "layer"], "method\\s+random \\(budget=layer, seed=3\\)"),
     (["--method", "none"], "method\\s+none$"),
     (["--method", "am", "--select", "kvzip", "--values", "copy", "--queries", "64", "--on-policy"],
-     "method\\s+am \\(.*on_policy=True, queries=64, queries_per_entry=8.0, recent=16, reference=self-study\\+repeat, "
+     "method\\s+am \\(.*on_policy=True, queries=64, queries_per_entry=8.0, query_sample=uniform, recent=16, reference=self-study\\+repeat, "
      "ridge=0.0, ridge_search=True, ridge_to=zero, .*scoring=attention, selection=kvzip, .*self_study_tokens=16, "
      ".*values=copy, weights=uniform\\)"),
     (["--method", "am", "--reference", "both", "--queries", "64", "--queries-per-entry", "2"],
-     "method\\s+am \\(.*queries=64, queries_per_entry=2.0, recent=16, reference=both, .*values=fit, weights=uniform\\)"),
+     "method\\s+am \\(.*queries=64, queries_per_entry=2.0, query_sample=uniform, recent=16, reference=both, .*values=fit, weights=uniform\\)"),
     (["--method", "am", "--ridge", "0.001", "--queries", "64", "--no-ridge-search", "--reference", "repeat"],
-     "method\\s+am \\(.*queries=64, queries_per_entry=8.0, recent=16, reference=repeat, ridge=0.001, ridge_search=False, "
+     "method\\s+am \\(.*queries=64, queries_per_entry=8.0, query_sample=uniform, recent=16, reference=repeat, ridge=0.001, ridge_search=False, "
      "ridge_to=zero, .*selection=rms, .*values=fit, weights=uniform\\)"),
     (["--method", "am", "--reference", "prefill", "--fit-weights", "share", "--queries", "64"],
-     "method\\s+am \\(.*queries=64, queries_per_entry=8.0, recent=16, reference=prefill, .*values=fit, weights=share\\)"),
+     "method\\s+am \\(.*queries=64, queries_per_entry=8.0, query_sample=uniform, recent=16, reference=prefill, .*values=fit, weights=share\\)"),
     (["--method", "am", "--queries", "64"],
      "method\\s+am \\(.*reference=self-study\\+repeat, refine_batch=512, refine_lr=0.01, refine_move=keys, refine_queries=in-window, refine_steps=30, ridge_search=True, schedule=None, score_queries=repeat, .*values=fit, "
      "weights=uniform\\)\n  unused here\\s+continue_tokens, held_out_check, max_head_ratio, ridge, "
