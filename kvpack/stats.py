@@ -161,7 +161,8 @@ def one_pass_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             first ``n`` keys.
         context: optional ``ContextAttention`` filled in from the same probabilities (its range must end at or
             before ``kv - q``, else ``ValueError``); the block's softmax is then written out (row max, exponential,
-            row sum) instead of ``torch.softmax``, to know each query's log-sum-exp.
+            row sum) instead of ``torch.softmax``, to know each query's log-sum-exp. With ``context.rows`` its output
+            and log-sum-exp keep those query rows alone, its square sums every row.
 
     Returns:
         ``(out, sums)``: ``out`` ``[1, q, heads, head_dim_v]`` in the query's dtype (the layout transformers

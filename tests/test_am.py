@@ -932,11 +932,27 @@ def test_per_position_sampling_keeps_a_row_of_every_query_first(cap):
     for per_position in (True, False):
         r = QueryReservoir(kv_heads=1, cap=cap, per_position=per_position)
         r.append((torch.randn(3, 40, 4), 1.0))
-        assert r.parts[0].shape[1] == cap
+        assert r.parts[0].shape[1] == cap and torch.equal(r._last_rows, r._last_rows.sort().values)
         counts[per_position] = torch.bincount(r.strata[0], minlength=40)
-        assert sorted(r.strata[0].tolist()) == r.strata[0].sort().values.tolist()
     assert int(counts[True].min()) == cap // 40 and int(counts[True].max()) == -(-cap // 40)
     assert int(counts[False].min()) < cap // 40 or int(counts[False].max()) > -(-cap // 40)
+
+
+def test_per_position_sampling_of_an_extended_pool_and_the_method_reservoirs():
+    """Two reservoirs' parts pooled by ``extend`` keep distinct query indices, and the pool's subsampling to
+    ``cap`` (``split``) then keeps a row of each of their queries; ``query_sample`` reaches the method's
+    reservoirs."""
+    a, b = (QueryReservoir(kv_heads=1, cap=100, per_position=True) for _ in range(2))
+    a.append((torch.randn(2, 30, 4), 1.0))
+    b.append((torch.randn(2, 30, 4), 1.0))
+    a.extend(b)
+    fit, held = a.split()
+    assert fit.shape[1] + held.shape[1] == 100 and a._pool_rows is not None
+    kept = torch.bincount(torch.cat(a.strata)[a._pool_rows], minlength=60)
+    assert len(kept) == 60 and int(kept.min()) == 1 and int(kept.max()) == 2
+    spec = model_spec(tiny_model("llama")[0])
+    for sample, flag in (("per-position", True), ("uniform", False)):
+        assert get_method("am", query_sample=sample)._reservoir(spec).per_position is flag
 
 
 def test_reservoir_split_is_computed_once_and_holds_out_rows_from_the_whole_pool():
@@ -1075,8 +1091,6 @@ def test_rms_selection_takes_a_subsampled_repeat_pass_attention(monkeypatch):
     per KV head) still hands its attention over: the fit's targets and log-sum-exps are those of its own rows (the
     rows each subsampling kept, in the pool's order), and the RMS is the square sums of every row the pass
     attended, less the held-out rows', scaled to the fit rows' count, plus the self-study rows attended again."""
-    import kvpack.methods.am as am_module
-
     model, tok = tiny_model("llama")
     spec, layout = model_spec(model), chat_layout(tok)
     prefix = layout.prefix_ids(tok)

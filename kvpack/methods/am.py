@@ -53,6 +53,14 @@ class QueryReservoir:
     Each row also keeps its query's position when the source says it (``first_position``: KVzip's repeat pass, fed
     after the whole context, which on a context near the model's window runs past it); ``fit_positions`` gives
     those of ``split``'s fit rows (the refinement's ``refine_queries="in-window"``).
+
+    Args:
+        kv_heads: KV heads of the layer; cap: most rows per KV head (``queries``); seed: the subsampling's seed.
+        per_position: subsample stratified by query (``query_sample="per-position"``): a row of every query of a
+            call (whichever head of the GQA group asked it) before a second of any (``strata``); else uniformly.
+
+    A call whose rows were subsampled still gets a ``ContextAttention`` when ``context_range`` is set
+    (``context_attention``): the output and log-sum-exp of the rows its part kept, the square sums of them all.
     """
 
     def __init__(self, kv_heads: int, cap: int, seed: int = QUERY_SEED, per_position: bool = False):
@@ -82,7 +90,9 @@ class QueryReservoir:
         self._next_stratum = 0
 
     def append(self, item: tuple[torch.Tensor, float]) -> None:
-        """Add one attention call's ``(query [heads, q, head_dim], scaling)``."""
+        """Add one attention call's ``(query [heads, q, head_dim], scaling)``: its rows (``[kv_heads, group x q,
+        head_dim]``, subsampled to ``cap``, stratified by query with ``per_position``), their positions and their
+        queries' indices (``strata``)."""
         query, self.scaling = item
         heads, q, d = query.shape
         pooled = query.reshape(self.kv_heads, (heads // self.kv_heads) * q, d)  # rows: the group's heads, then q
@@ -98,8 +108,9 @@ class QueryReservoir:
         self.positions.append(positions if rows is None else positions[rows])
 
     def extend(self, other: "QueryReservoir") -> None:
-        """Pool ``other``'s recorded parts (and their positions) after this reservoir's (one pool, subsampled to
-        ``cap`` by ``split``)."""
+        """Pool ``other``'s recorded parts (and their positions and query indices, the latter offset past this
+        reservoir's) after this reservoir's (one pool, subsampled to ``cap`` by ``split``). ``other``'s recorded
+        ``ContextAttention`` are not carried over."""
         self.parts.extend(other.parts)
         self.positions.extend(other.positions)
         self.strata.extend(x + self._next_stratum for x in other.strata)
@@ -660,7 +671,11 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         ``shift="lse"``) the same pass also computes the queries' attention over the context and keeps it for the
         fit (``_context_cache``, up to ``CONTEXT_CACHE_BYTES``). Where the repeat pass recorded its attention over
         the context (``QueryReservoir.context_statistics``), its rows are not attended again: their squares are the
-        pass's, less the held-out rows', scaled to the fit rows' count (exact when the pool was not subsampled)."""
+        pass's over every row it attended, less the held-out rows', scaled to the fit rows' count (the RMS over the
+        fit queries exactly when neither the call nor the pool was subsampled; otherwise that RMS estimated from
+        every row the pass attended). With ``select_queries="all"`` the mean runs over every recorded row but the
+        held-out ones: the pass's every row where it recorded its attention, the stored rows of the other parts
+        (``QueryReservoir.left_out``)."""
         fit, held, scaling = self._reference(i)
         layer = prefill.spec.compressed_layers[i]
         keys = prefill.keys[layer][:, prefill.sink :].float()
@@ -680,7 +695,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             fit_rows, held_rows = self._reservoirs[i].split_rows()
             missing, held_known = ~pooled.has[fit_rows], pooled.has[held_rows]
             # the pass's squares, less the held-out rows', stand for the fit rows that have them: scaled to their
-            # count (1 unless the pool was subsampled, when they are the unbiased estimate from every row), or,
+            # count (1 unless the call or the pool was subsampled, then the estimate from every row), or,
             # with select_queries="all", counted as they are
             others = pooled.count - int(held_known.sum())
             scale = int((~missing).sum()) / others if others > 0 else 0.0
