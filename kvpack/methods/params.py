@@ -291,10 +291,10 @@ class AttentionMatchingParams(KVzipParams):
                             flag="--select",
                             choices=SELECTIONS)
     select_queries: str = option("fit", "which reference queries --select rms (and kvzip+rms) averages over: the "
-                                        "fit's --queries (a one-chunk repeat pass's rows estimated from all it "
-                                        "attended), or every recorded query but the held-out ones (more attention "
-                                        "where the sources record more than --queries: the repeat pass records a "
-                                        "GQA group's heads x the context's tokens)",
+                                        "fit's --queries, or every recorded query but the held-out ones; the two "
+                                        "differ only where the sources record more than --queries rows per KV head "
+                                        "(the repeat pass records a GQA group's heads x the context's tokens), and "
+                                        "all then attends the extra rows too",
                                  choices=SELECT_QUERIES)
     unfitted_selection: str = option("same", "which entries a KV head keeps when it is left unfitted (it keeps "
                                              "more entries than its fit queries divided by --queries-per-entry): "
