@@ -298,7 +298,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     from 2K tokens), the fit still takes its targets from the pass, and the RMS counts the squares of every row the
     pass attended, scaled to the fit rows' count: the same mean over the queries, estimated from all of them rather
     than from the subsample (on the reference model at 2K tokens the selection went from about 0.55 s to 0.1 s and
-    AM's loss fell by about a third, BENCHMARKS.md, "Issue 28, thirty-sixth session").
+    AM's loss fell by about a tenth over fifteen passages, BENCHMARKS.md, "Issue 28, thirty-sixth session").
 
     Kept keys: ``ratio`` is the share of all context entries kept, over every compressed layer and KV head, split
     per head by ``budgets`` (``kvpack.methods.budgets``) over KVzip's scores: ``"global"`` (default: KVzip's global
