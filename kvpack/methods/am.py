@@ -96,16 +96,14 @@ class QueryReservoir:
         query, self.scaling = item
         heads, q, d = query.shape
         pooled = query.reshape(self.kv_heads, (heads // self.kv_heads) * q, d)  # rows: the group's heads, then q
-        strata = (self._next_stratum + torch.arange(q)).repeat(heads // self.kv_heads)
+        index = torch.arange(q).repeat(heads // self.kv_heads)  # each row's query within the call
+        strata = self._next_stratum + index
         self._next_stratum += q
+        positions = torch.full_like(index, -1) if self.first_position is None else self.first_position + index
         rows = self._last_rows = self._subsample_rows(pooled.shape[1], strata)
         self.strata.append(strata if rows is None else strata[rows])
-        self.parts.append((pooled if rows is None else pooled[:, rows.to(pooled.device)]).float())
-        if self.first_position is None:
-            positions = torch.full((pooled.shape[1],), -1, dtype=torch.long)
-        else:
-            positions = (self.first_position + torch.arange(q)).repeat(heads // self.kv_heads)
         self.positions.append(positions if rows is None else positions[rows])
+        self.parts.append((pooled if rows is None else pooled[:, rows.to(pooled.device)]).float())
 
     def extend(self, other: "QueryReservoir") -> None:
         """Pool ``other``'s recorded parts (and their positions and query indices, the latter offset past this
@@ -194,10 +192,8 @@ class QueryReservoir:
             return torch.randperm(n, generator=self.generator)[: self.cap].sort().values
         order = torch.randperm(n, generator=self.generator)  # random within each stratum and round
         by_stratum = order[torch.sort(strata[order], stable=True).indices]
-        sorted_strata = strata[by_stratum]
-        first = torch.ones(n, dtype=torch.bool)
-        first[1:] = sorted_strata[1:] != sorted_strata[:-1]
-        starts = torch.cummax(torch.where(first, torch.arange(n), torch.zeros(n, dtype=torch.long)), 0).values
+        counts = torch.unique_consecutive(strata[by_stratum], return_counts=True)[1]
+        starts = torch.repeat_interleave(counts.cumsum(0) - counts, counts)  # each stratum's first place
         rank = torch.empty(n, dtype=torch.long)
         rank[by_stratum] = torch.arange(n) - starts  # each row's round: 0 for its query's first row
         key = rank.double() + torch.empty(n, dtype=torch.float64).uniform_(0, 1, generator=self.generator)
@@ -712,6 +708,9 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             # the fit rows attended here: all of them, or those the repeat pass did not attend for us
             rows = fit[h] if pooled is None else fit[h][missing.to(fit.device)]
             rms = target = lse = None
+            # the left-out rows' squares (select_queries="all")
+            extra_squares = (None if extra is None
+                             else rms_attention(extra[h], keys[h], scaling).square_().mul_(extra.shape[1]))
             if pooled is None or rows.shape[0]:
                 got = rms_attention(rows, keys[h], scaling, values=values[h].float() if keep else None)
                 rms, target, lse = got if keep else (got, None, None)
@@ -724,8 +723,8 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                     squares.mul_(scale)
                 if rms is not None:
                     squares += rms.square_().mul_(rows.shape[0])
-                if extra is not None:
-                    squares += rms_attention(extra[h], keys[h], scaling).square_().mul_(extra.shape[1])
+                if extra_squares is not None:
+                    squares += extra_squares
                 if keep:
                     pooled_target = pooled.output[h][fit_rows].to(keys.device)
                     pooled_lse = pooled.lse[h][fit_rows].to(keys.device)
@@ -733,10 +732,8 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                         pooled_target[missing], pooled_lse[missing] = target, lse
                     target, lse = pooled_target, pooled_lse
                 rms = squares.clamp_min_(0).div_(max(1, n_rows)).sqrt_()
-            elif extra is not None:  # the fit rows' mean and the left-out rows', weighed by their counts
-                squares = rms.square().mul_(rows.shape[0])
-                squares += rms_attention(extra[h], keys[h], scaling).square_().mul_(extra.shape[1])
-                rms = squares.div_(max(1, n_rows)).sqrt_()
+            elif extra_squares is not None:  # the fit rows' mean and the left-out rows', weighed by their counts
+                rms = rms.square().mul_(rows.shape[0]).add_(extra_squares).div_(max(1, n_rows)).sqrt_()
             if keep:
                 self._context_cache[(i, h)] = (fit, target, lse)
             out.append(rms)
