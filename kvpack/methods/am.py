@@ -137,7 +137,9 @@ class QueryReservoir:
     def left_out(self, without_context: bool = False) -> torch.Tensor | None:
         """``[kv_heads, m, head_dim]`` float32: the recorded rows ``split``'s subsampling left out of the pool (in
         neither the fit nor the held-out rows; with ``without_context``, only those of parts without a recorded
-        ``ContextAttention``), or ``None`` when there are none. Raises ``RuntimeError`` if nothing was recorded."""
+        ``ContextAttention``), or ``None`` when there are none: what ``select_queries="all"`` adds to the RMS
+        selection's mean (arXiv 2602.16284's ``score_method="rms"``). Raises ``RuntimeError`` if nothing was
+        recorded."""
         rows = self._pooled()[1]
         if rows is None:
             return None
@@ -229,7 +231,8 @@ class QueryReservoir:
 
     def fit_positions(self, held_out: int = HELD_OUT) -> torch.Tensor:
         """``[n_fit]`` int64: the RoPE position (in tokens) of each of ``split``'s fit rows, ``-1`` where its source
-        did not say (``first_position``). Raises ``RuntimeError`` if nothing was recorded."""
+        did not say (``first_position``): KVzip's repeat pass (arXiv 2505.23416 §3.2) runs from the context's end.
+        Raises ``RuntimeError`` if nothing was recorded."""
         self.split(held_out)
         rows = sum(p.shape[1] for p in self.parts)
         positions = torch.cat(self.positions) if self.positions else None
