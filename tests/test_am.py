@@ -612,6 +612,75 @@ def test_causal_output_is_masked_softmax_attention():
         torch.testing.assert_close(got[r], want)
 
 
+def _head_positions(pack):
+    """``{(layer, kv_head): positions}`` of a pack's compressed layers (the sink included)."""
+    out = {}
+    for l, layer in enumerate(pack.layers):
+        for h in range(len(layer.head_lengths)):
+            out[(l, h)] = layer.head(h)[2]
+    return out
+
+
+def test_rms_or_kvzip_keeps_per_head_the_choice_the_validation_queries_prefer(monkeypatch):
+    """``selection="rms-or-kvzip"``: each fitted head is fitted on RMS's entries and on KVzip's (same budget), and
+    keeps the pair whose best candidate has the lower validation error; a head that keeps KVzip's holds exactly the
+    pack ``selection="kvzip"`` builds for it (its keys, values, biases and positions), a head that keeps RMS's that of
+    ``selection="rms"``."""
+    import kvpack.methods.am as am_module
+
+    real, calls, favour = am_module.choose_fit, [], {"second": 1.0}
+
+    def recorded(keys, values, positions, sink, kept, *args, **kwargs):
+        name, beta, vals, errors = real(keys, values, positions, sink, kept, *args, **kwargs)
+        second = bool(calls) and calls[-1][0] is kwargs["full"]  # the same head's second fit: KVzip's entries
+        if second:
+            errors = {k: v * favour["second"] for k, v in errors.items()}
+        calls.append((kwargs["full"], kept.clone(), errors[name], second))
+        return name, beta, vals, errors
+
+    monkeypatch.setattr(am_module, "choose_fit", recorded)
+    # every fit attends over the context itself (the same arithmetic in all three builds), unrefined
+    monkeypatch.setattr(am_module, "CONTEXT_CACHE_BYTES", 0)
+    options = dict(refine_steps=0)
+    _, _, rms = _build("llama", selection="rms", **options)
+    _, _, kvzip = _build("llama", selection="kvzip", **options)
+    rms_pos, kvzip_pos = _head_positions(rms), _head_positions(kvzip)
+    differ = [k for k in rms_pos if not torch.equal(rms_pos[k], kvzip_pos[k])]
+    assert differ  # the two selections differ in some head on this context
+    for factor, expect in ((1.0, None), (0.5, "kvzip"), (2.0, "rms")):
+        calls.clear()
+        favour["second"] = factor
+        _, _, both = _build("llama", selection="rms-or-kvzip", **options)
+        heads = list(calls)
+        seconds = [c for c in heads if c[3]]
+        assert len(seconds) == len(differ)  # KVzip's entries fitted exactly where they differ from RMS's
+        pos = _head_positions(both)
+        swapped = 0
+        for k in rms_pos:
+            if torch.equal(pos[k], kvzip_pos[k]) and not torch.equal(pos[k], rms_pos[k]):
+                swapped += 1
+            else:
+                assert torch.equal(pos[k], rms_pos[k])
+        assert both.metadata["stats"]["fit"]["heads_kvzip_selection"] == swapped
+        # the decision follows the validation errors: each second call against the first of its head
+        firsts = {id(c[0]): c for c in heads if not c[3]}
+        assert swapped == sum(1 for c in seconds if c[2] < firsts[id(c[0])][2])
+        if expect == "kvzip":
+            assert swapped == len(differ)
+        if expect == "rms":
+            assert swapped == 0
+        for l, layer in enumerate(both.layers):  # each head holds one of the two packs' fitted entries exactly
+            for h in range(len(layer.head_lengths)):
+                ref = kvzip if (l, h) in differ and torch.equal(pos[(l, h)], kvzip_pos[(l, h)]) else rms
+                got, want = layer.head(h), ref.layers[l].head(h)
+                torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
+                torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-5)
+                off, ref_off = layer.head_offsets(), ref.layers[l].head_offsets()
+                torch.testing.assert_close(layer.biases[off[h]:off[h + 1]],
+                                           ref.layers[l].biases[ref_off[h]:ref_off[h + 1]], atol=1e-6, rtol=1e-5)
+    assert "select_queries" not in PARAMS["am"].inert({**PARAMS["am"].defaults(), "selection": "rms-or-kvzip"})
+
+
 def test_ridge_search_takes_the_candidate_best_on_the_validation_queries():
     """``choose_fit``: every candidate scored; the one returned has the lowest validation error; on validation
     queries like the fit's the least-squares fits beat KVzip's entries as they are, and on queries where every fit
