@@ -26,8 +26,6 @@ __all__ = ["AttentionMatching", "QueryReservoir", "PooledContext", "HELD_OUT", "
 
 #: Reference queries per KV head held out of the fit to measure it (at most; an eighth of a smaller pool).
 HELD_OUT = 256
-#: The selections that rank a head's entries by RMS attention over the reference queries (``_rms_scores``).
-RMS_SELECTIONS = ("rms", "kvzip+rms", "rms-or-kvzip")
 #: The ``reference`` sources that read the context's own prefill queries (``kvpack.methods.am_prefill``).
 PREFILL_REFERENCES = ("prefill", "prefill+repeat")
 #: The ``reference`` sources that pool KVzip's repeat pass's queries with another source's.
@@ -363,10 +361,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         schedule: the schedule file of ``budgets="schedule"`` (checked against the model); its SHA-256 is
             recorded as ``schedule_sha256``.
         recent: last context tokens every head keeps (in its budget), ``>= 0``.
-        selection: ``"rms"`` (default), ``"kvzip"``, ``"kvzip+rms"``, ``"omp"`` or ``"rms-or-kvzip"`` (kvpack's:
-            RMS's choice, and in each head the ridge search fits, KVzip's choice within the same budget fitted too;
-            the head keeps whichever the validation queries prefer, ``_fit_layer``; without ``ridge_search`` and
-            ``values="fit"`` it is ``"rms"``).
+        selection: ``"rms"`` (default), ``"kvzip"``, ``"kvzip+rms"`` or ``"omp"``.
         select_queries: ``"fit"`` (default) or ``"all"``: the RMS selection's mean over the fit's queries, or over
             every recorded query but the held-out ones (``QueryReservoir.left_out``: more attention where the
             sources recorded more than ``queries``; the same where they did not).
@@ -450,8 +445,6 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         # (compressed layer, KV head) -> (fit queries, output, lse): the context attention the RMS selection computed
         # for a head it knows will be fitted, so the fit need not attend over the context again (_rms_scores)
         self._context_cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        # selection="rms-or-kvzip": (the keep mask select() returned, KVzip's choice within the same budgets)
-        self._alternative: tuple[torch.Tensor, torch.Tensor] | None = None
         self._schedule = self._schedule_sha256 = None
         if self.schedule is not None:
             from .. import storage
@@ -498,7 +491,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         self._model, self._tokenizer = model, tokenizer
         # a repeat pass over the whole context (one chunk) also gives the RMS selection its attention over the
         # context (QueryReservoir.context_attention), from the same probabilities
-        whole = prefill.context_tokens <= self.chunk_size and self.selection in RMS_SELECTIONS
+        whole = prefill.context_tokens <= self.chunk_size and self.selection in ("rms", "kvzip+rms")
         self._context_range = (prefill.sink, prefill.sink + prefill.context_tokens) if whole else None
         # KVzip's repeat pass records the repeat queries and scores the entries: not needed when neither is used
         repeat_unused = self.score_queries == "reference" and self.reference in REFERENCES_WITHOUT_REPEAT
@@ -614,14 +607,11 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         """``keep`` (``[compressed layers, kv_heads, context]`` bool, KVzip's choice within each head's budget)
         with each head's entries re-chosen by ``selection`` (``_reselect``), except, with
         ``unfitted_selection="kvzip"`` (and ``values="fit"``, off-policy), in the heads the fit will leave as they
-        are (``_unfitted_heads``), which keep ``keep``'s. With ``selection="rms-or-kvzip"`` it remembers ``keep``
-        for ``update_entries`` of the mask it returns. Raises as ``_reselect``."""
+        are (``_unfitted_heads``), which keep ``keep``'s. Raises as ``_reselect``."""
         chosen = self._reselect(keep, prefill, scores)
         if self.unfitted_selection == "kvzip" and self.values == "fit" and not self.on_policy:
             unfitted = self._unfitted_heads(keep.sum(dim=2), keep.shape[2])
             chosen[unfitted] = keep[unfitted]
-        # rms-or-kvzip: the fit also tries KVzip's choice in each head it fits (_fit_layer)
-        self._alternative = (chosen, keep) if self.selection == "rms-or-kvzip" else None
         return chosen
 
     def _reselect(self, keep: torch.Tensor, prefill: Prefill, scores: torch.Tensor | None = None
@@ -641,7 +631,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         rms = protect_recent(torch.stack([self._rms_scores(prefill, i, counts[i]) for i in range(layers)]),
                              self.recent)
         flat, counts = rms.reshape(layers * heads, n), counts.reshape(-1)
-        if self.selection in ("rms", "rms-or-kvzip"):
+        if self.selection == "rms":
             return top_k_rows(flat, counts).view(keep.shape)
         if scores is None:
             raise RuntimeError("am: selection='kvzip+rms' needs KVzip's scores")
@@ -761,8 +751,6 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
     def update_entries(self, prefill: Prefill, keep: torch.Tensor, layers: list[LayerEntries]) -> dict:
         tally = _FitTally()
         reservoirs = list(self._reservoirs or [])
-        held = self._alternative
-        alternative = held[1] if held is not None and held[0] is keep else None
         passes = self._policy_passes(prefill) if self.on_policy else []
         if passes and len(prefill.spec.compressed_layers) > 1:
             from .am_sweep import on_policy_sweep
@@ -772,31 +760,24 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                     reservoirs[i] = self._reservoir(prefill.spec)
                     for item in handed:
                         reservoirs[i].append(item)
-                self._fit_layer(prefill, keep, layers, i, reservoirs, tally, alternative)
+                self._fit_layer(prefill, keep, layers, i, reservoirs, tally)
 
             on_policy_sweep(self._model, prefill, layers, passes, fit_layer)
         else:
             for i in range(len(prefill.spec.compressed_layers)):
-                self._fit_layer(prefill, keep, layers, i, reservoirs, tally, alternative)
+                self._fit_layer(prefill, keep, layers, i, reservoirs, tally)
         self._context_cache.clear()
         out = {"queries": tally.n_fit, "held_out": tally.n_held, "relative_error": tally.errors,
                "selection_error": tally.baseline, "mass_error": tally.mass, "heads_unfitted": tally.unfitted,
                "heads_rejected": tally.rejected, "heads_rejected_by": tally.rejected_by}
         if self.ridge_search:
             out["ridge_search"] = tally.chosen
-        if alternative is not None:
-            out["heads_kvzip_selection"] = tally.swapped
         return out
 
     def _fit_layer(self, prefill: Prefill, keep: torch.Tensor, layers: list[LayerEntries], i: int,
-                   reservoirs: list[QueryReservoir], tally: "_FitTally", alternative: torch.Tensor | None = None
-                   ) -> None:
+                   reservoirs: list[QueryReservoir], tally: "_FitTally") -> None:
         """Fit compressed layer ``i``'s kept entries of every head on ``reservoirs[i]``'s queries, in place in
-        ``layers`` (values and ``biases``), and add the layer's errors and counts to ``tally``. With
-        ``alternative`` (``[compressed layers, kv_heads, context]`` bool, the same count per head as ``keep``:
-        ``selection="rms-or-kvzip"``), each head the ridge search fits is also fitted on ``alternative``'s entries,
-        and keeps those (keys, values and positions rewritten in ``layers``) where their best candidate's
-        validation error is lower."""
+        ``layers`` (values and ``biases``), and add the layer's errors and counts to ``tally``."""
         sink, l = prefill.sink, prefill.spec.compressed_layers[i]
         fit_q, held_q, scaling = self._reference(i, reservoirs)
         tally.n_fit, tally.n_held = n_fit, n_held = fit_q.shape[1], held_q.shape[1]
@@ -819,8 +800,6 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                 continue  # as KVzip selected it (nothing kept, or nothing evicted): beta = 0, values copied
             k_ctx, v_ctx = keys[h, sink:], values[h, sink:]
             context = cached[1:] if cached is not None and cached[0] is fit_q else None
-            if context is None and alternative is not None and validated:  # attended once for both fits
-                context = context_attention(fit_q[h], k_ctx, v_ctx, scaling)
             fit = fit_head(k_ctx, v_ctx, fit_q[h], kept, scaling, fit_values=self.values == "fit",
                            shift=self.shift, ridge=self.ridge, ridge_to=self.ridge_to,
                            weights=self.weights, sink_keys=keys[h, :sink],
@@ -837,21 +816,6 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
                     keys[h], values[h], positions, sink, kept, fit.beta, *fit.design, vq, vpos, vscale,
                     C.MAX_KV_ABS, normal=fit.normal, full=want,
                     plain=fit.values if self.ridge == 0 else None)  # fit_head solved the ridge-0 values already
-                other = None if alternative is None else alternative[i, h]
-                if other is not None and not torch.equal(other, keep[i, h]):
-                    # rms-or-kvzip: KVzip's entries within the same budget, fitted and validated alike
-                    other_kept = other.nonzero().squeeze(1).to(keys.device)
-                    other_fit = fit_head(k_ctx, v_ctx, fit_q[h], other_kept, scaling, fit_values=True,
-                                         shift=self.shift, ridge=self.ridge, ridge_to=self.ridge_to,
-                                         weights=self.weights, sink_keys=keys[h, :sink], keep_design=True,
-                                         residual_check=False, beta_solve="nnls", context=context)
-                    got = choose_fit(keys[h], values[h], positions, sink, other_kept, other_fit.beta,
-                                     *other_fit.design, vq, vpos, vscale, C.MAX_KV_ABS, normal=other_fit.normal,
-                                     full=want, plain=other_fit.values if self.ridge == 0 else None)
-                    if got[3][got[0]] < verrors[name]:
-                        kept, fit, (name, beta, new_values, verrors) = other_kept, other_fit, got
-                        self._write_selection(prefill, entries, l, h, offsets[h], kept)
-                        tally.swapped += 1
                 # gradient steps from the chosen candidate, kept if validated better; on the in-window fit queries
                 # alone where some sit past the window, and only with queries_per_entry of them per kept entry
                 queries, part = fit_q[h], context
@@ -898,19 +862,6 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         tally.errors.append(_mean(err))
         tally.baseline.append(_mean(base))
         tally.mass.append(_mean(ms))
-
-    @staticmethod
-    def _write_selection(prefill: Prefill, entries: LayerEntries, layer: int, h: int, offset: int,
-                         kept: torch.Tensor) -> None:
-        """Rewrite KV head ``h``'s context rows of ``entries`` (prefill layer ``layer``; its rows start at
-        ``offset``, the sink first) with the prefilled keys, values and positions of the context entries ``kept``
-        (``[t]`` int64, increasing, as many as the head holds), as ``kvpack.methods.base.gather`` writes them."""
-        sink = prefill.sink
-        idx = (sink + kept).cpu()
-        rows = slice(offset + sink, offset + sink + len(idx))
-        entries.keys[rows] = prefill.keys[layer][h].cpu()[idx].to(entries.keys.dtype)
-        entries.values[rows] = prefill.values[layer][h].cpu()[idx].to(entries.values.dtype)
-        entries.positions[rows] = idx.to(torch.int32)
 
     def _refine_rows(self, reservoir: "QueryReservoir") -> torch.Tensor | None:
         """With ``refine_queries="in-window"``, the indices ``[m]`` of ``reservoir``'s fit rows whose queries sit
@@ -990,7 +941,6 @@ class _FitTally:
     n_fit: int = 0
     n_held: int = 0
     unfitted: int = 0
-    swapped: int = 0  # rms-or-kvzip: heads that kept KVzip's choice
     rejected: int = 0
     errors: list = field(default_factory=list)
     baseline: list = field(default_factory=list)

@@ -42,7 +42,7 @@ SCORINGS = ("attention", "plus")
 #: What D2O's merge changes (``merge``): keys and values (the paper's), values only, or nothing (eviction alone).
 MERGE_MODES = ("keys+values", "values", "off")
 #: Attention Matching's within-head selections (``selection``) and value modes (``values``).
-SELECTIONS = ("kvzip", "rms", "kvzip+rms", "omp", "rms-or-kvzip")
+SELECTIONS = ("kvzip", "rms", "kvzip+rms", "omp")
 #: What a KV head that Attention Matching leaves unfitted keeps, with a ``selection`` other than ``kvzip``
 #: (``unfitted_selection``): KVzip's top entries within its budget, or the entries ``selection`` chose (``same``).
 UNFITTED_SELECTIONS = ("kvzip", "same")
@@ -287,9 +287,7 @@ class AttentionMatchingParams(KVzipParams):
     recent: int = option(16, "last context tokens every head keeps (counted in its budget; not in the paper)",
                          low=0)
     selection: str = option("rms", "keys kept within a head: KVzip's score, RMS attention over the reference "
-                                     "queries, half of each (kvzip+rms), OMP (greedy mass matching; slower), or "
-                                     "per fitted head whichever of RMS's and KVzip's choice fits the validation "
-                                     "queries better (rms-or-kvzip; needs --ridge-search, else it is rms)",
+                                     "queries, half of each (kvzip+rms), or OMP (greedy mass matching; slower)",
                             flag="--select",
                             choices=SELECTIONS)
     select_queries: str = option("fit", "which reference queries --select rms (and kvzip+rms) averages over: the "
@@ -392,8 +390,8 @@ class AttentionMatchingParams(KVzipParams):
             out["max_head_ratio"] = "it caps only --budgets global-capped and schedule"
         if params.get("budgets") not in ("global", "global-capped"):
             out["head_floor"] = "it applies only to --budgets global and global-capped"
-        if params.get("selection") not in ("rms", "kvzip+rms", "rms-or-kvzip"):
-            out["select_queries"] = "it applies only to --select rms, kvzip+rms and rms-or-kvzip"
+        if params.get("selection") not in ("rms", "kvzip+rms"):
+            out["select_queries"] = "it applies only to --select rms and kvzip+rms"
         if params.get("selection") == "kvzip" or params.get("values") != "fit" or params.get("on_policy") is True:
             out["unfitted_selection"] = ("it applies only where --select is not kvzip and --values fit leaves some "
                                          "heads unfitted, off-policy")
