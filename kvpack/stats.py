@@ -160,9 +160,10 @@ def one_pass_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             ``max(max_scores, max over queries i and the query heads of the GQA group of p[i, j])`` for the
             first ``n`` keys.
         context: optional ``ContextAttention`` filled in from the same probabilities (its range must end at or
-            before ``kv - q``, else ``ValueError``); the block's softmax is then written out (row max, exponential,
-            row sum) instead of ``torch.softmax``, to know each query's log-sum-exp. With ``context.rows`` its output
-            and log-sum-exp keep those query rows alone, its square sums every row.
+            before ``kv - q``, else ``ValueError``); each row's log-sum-exp is then taken from its peak logit and
+            its peak probability (``lse = peak - log p_max``, as ``p_max = 1 / sum exp(. - peak)``), so the fused
+            softmax stays. With ``context.rows`` its output and log-sum-exp keep those query rows alone, its square
+            sums every row.
 
     Returns:
         ``(out, sums)``: ``out`` ``[1, q, heads, head_dim_v]`` in the query's dtype (the layout transformers
@@ -207,10 +208,10 @@ def one_pass_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         if context is None:
             torch.softmax(p, dim=-1, out=p)
             out[:, :, s:e] = torch.bmm(p, v[:, :n]).view(kv_heads, group, b, -1)
-        else:  # the softmax written out, for each row's log-sum-exp: log(total) + peak
+        else:  # also each row's log-sum-exp: peak + log(total)
             peak = p.amax(dim=-1, keepdim=True)
-            total = p.sub_(peak).exp_().sum(dim=-1, keepdim=True)
-            p.div_(total)
+            torch.softmax(p, dim=-1, out=p)  # fused: faster than writing out exp and sum
+            log_total = p.amax(dim=-1, keepdim=True).log_().neg_()  # the peak's probability, 1 / sum exp(. - peak)
             inside = p[..., a:z]  # [kv_heads, group * b, z - a]
             mass = inside.sum(dim=-1, keepdim=True)  # each row's share of attention on the context
             least_mass = min(least_mass, float(mass.min()))
@@ -218,7 +219,7 @@ def one_pass_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             out[:, :, s:e] = (raw + torch.bmm(p[..., :a], v[:, :a]) + torch.bmm(p[..., z:n], v[:, z:n])
                               ).view(kv_heads, group, b, -1)
             context.output[:, :, s:e] = (raw / mass).view(kv_heads, group, b, -1)
-            context.lse[:, :, s:e] = (peak + total.log() + mass.log()).view(kv_heads, group, b)
+            context.lse[:, :, s:e] = (peak + log_total + mass.log()).view(kv_heads, group, b)
         if sums is not None:
             sums[..., :n] += p.view(kv_heads, group, b, n).sum(dim=2)
         if n_scores:
