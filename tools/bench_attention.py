@@ -13,7 +13,9 @@ Random float32 queries, keys and values of the model's shape (query heads, KV he
   chunk's entries and its own keys causally):
   ``flash + scores``: two flash calls and one more product for the max-probability scores
   (``kvpack.attention._scored_attention_flash``);
-  ``one pass``: output and scores from the same blocked probabilities (``kvpack.stats.one_pass_attention``).
+  ``one pass``: output and scores from the same blocked probabilities (``kvpack.stats.one_pass_attention``);
+  ``one pass + context``: the same, also filling Attention Matching's ``ContextAttention`` over the chunk's entries
+  (each query's output and log-sum-exp there, the squared probabilities per entry: what the RMS selection takes).
 * D2O's merge search for one KV head (``round((1 - ratio) x tokens)`` evicted keys against the
   ``round(ratio x tokens)`` kept ones, cosine similarity): the similarity product alone (with its GFLOP/s), the
   product with ``max(dim=1)``, and ``kvpack.methods.d2o.nearest_kept`` (product and two-stage argmax).
@@ -40,7 +42,7 @@ import kvpack  # noqa: E402
 from kvpack.attention import _scored_attention_flash, attention_with_lse  # noqa: E402
 from kvpack.model import model_spec  # noqa: E402
 from kvpack.methods.d2o import nearest_kept  # noqa: E402
-from kvpack.stats import attention_with_column_sums, column_sums, one_pass_attention  # noqa: E402
+from kvpack.stats import ContextAttention, attention_with_column_sums, column_sums, one_pass_attention  # noqa: E402
 
 
 def main() -> None:
@@ -91,6 +93,10 @@ def main() -> None:
     def repeat_one_pass():
         one_pass_attention(q_rep, k_rep, v_rep, scaling, max_scores=torch.zeros(kv_heads, past))
 
+    def repeat_one_pass_context():
+        one_pass_attention(q_rep, k_rep, v_rep, scaling, max_scores=torch.zeros(kv_heads, past),
+                           context=ContextAttention(args.sink, past))
+
     kept_n = round(args.ratio * args.tokens)
     evicted_k = torch.randn(args.tokens - kept_n, dim)
     kept_k = torch.randn(kept_n, dim)
@@ -111,6 +117,7 @@ def main() -> None:
             "prefill: one pass (output + column sums)": prefill_one_pass,
             "KVzip repeat: flash + score product": repeat_flash,
             "KVzip repeat: one pass (output + scores)": repeat_one_pass,
+            "KVzip repeat: one pass + context (AM's RMS selection)": repeat_one_pass_context,
             "D2O merge search: similarity product alone": merge_product,
             "D2O merge search: product + max(dim=1)": merge_max,
             "D2O merge search: nearest_kept (two-stage argmax)": merge_nearest}
