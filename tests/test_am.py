@@ -218,6 +218,22 @@ def test_rms_attention_is_the_root_mean_square_of_the_softmax_over_queries(monke
     torch.testing.assert_close(out.double(), logits.softmax(-1) @ V.double(), atol=1e-5, rtol=1e-5)
 
 
+def test_rms_attention_in_base_two_keeps_float32_accuracy_on_sharp_logits():
+    """The exponentials are taken with ``exp2`` (log2 e folded into the scaling): on logits spanning about 200
+    (sharp heads, where a base-change rounding would show first) the scores, outputs and log-sum-exps still match
+    float64 to float32 rounding."""
+    gen = torch.Generator().manual_seed(9)
+    Q, K = torch.randn(64, 32, generator=gen) * 6, torch.randn(300, 32, generator=gen) * 3
+    V = torch.randn(300, 8, generator=gen)
+    logits = (Q.double() @ K.double().T) * 32 ** -0.5
+    assert float(logits.max() - logits.min()) > 150
+    rms, out, lse = rms_attention(Q, K, 32 ** -0.5, values=V)
+    p = logits.softmax(-1)
+    torch.testing.assert_close(rms.double(), p.pow(2).mean(0).sqrt(), atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), logits.logsumexp(-1), atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(out.double(), p @ V.double(), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("rows_per_chunk", [None, 7])
 def test_max_attention_is_the_largest_softmax_probability_over_queries(monkeypatch, rows_per_chunk):
     """``score_queries="reference"``'s scores: KVzip's rule, max over queries of softmax(scaling Q K^T), against

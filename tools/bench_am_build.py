@@ -41,15 +41,22 @@ def main() -> None:
     doc = next(iter(continuation_docs(tok, args.length, 1, seed=args.seed)))
     variants = ["kvzip", *args.variants]
     seconds: dict[str, list[float]] = {v: [] for v in variants}
+    cpu: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.repeats):
         for spec in variants:
             name, params = parse_method_spec(spec)
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             kvpack.compress(model, tok, doc.text, method=name, ratio=args.ratio, **params)
             seconds[spec].append(time.perf_counter() - t)
+            cpu[spec].append(time.process_time() - c)
     med = {v: statistics.median(s) for v, s in seconds.items()}
+    med_cpu = {v: statistics.median(s) for v, s in cpu.items()}
+    # CPU seconds of the process beside wall seconds: with --threads 1 they leave out the time other tenants of a
+    # shared machine held the core, which moves the wall-clock ratio by 10-15% from run to run
     print(json.dumps({"command": " ".join(sys.argv), "seconds": seconds, "median_seconds": med,
-                      "over kvzip": {v: med[v] / med["kvzip"] for v in variants}}, indent=1))
+                      "over kvzip": {v: med[v] / med["kvzip"] for v in variants},
+                      "cpu_seconds": cpu, "median_cpu_seconds": med_cpu,
+                      "over kvzip, cpu": {v: med_cpu[v] / med_cpu["kvzip"] for v in variants}}, indent=1))
 
 
 if __name__ == "__main__":
