@@ -348,8 +348,9 @@ def _softmax_chunks(queries: torch.Tensor, keys: torch.Tensor, scaling: float):
 
     The exponential is taken in base 2, ``exp2(log2(e) (scaling q.k - peak))`` with ``log2(e)`` folded into the
     queries' scaling: torch's CPU ``exp2`` is as accurate as its ``exp`` (both within float32 rounding of the
-    float64 softmax) and about 4x faster (0.23 against 0.9 ns an element on one thread), which takes 15-25% off
-    ``rms_attention`` (BENCHMARKS.md, "Issue 28, thirty-ninth session")."""
+    float64 softmax) and about 4x faster (0.23 against 0.9 ns an element on one thread), which takes 11-14% off
+    ``rms_attention`` with the values and 20-30% without (``tools/bench_rms_chunks.py --base-e``; BENCHMARKS.md,
+    "Issue 28, thirty-ninth session")."""
     q, k = queries.float() * (scaling * LOG2_E), keys.float()
     rows = max(1, CHUNK_ELEMENTS // max(1, k.shape[0]))
     for start in range(0, q.shape[0], rows):
