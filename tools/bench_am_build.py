@@ -2,7 +2,9 @@
 """Whole builds side by side: ``kvpack.compress`` of one held-out passage with KVzip and with each AM
 configuration given, interleaved, medians over ``--repeats``, in one process (the issue-28 cost target: AM's build
 within 1.5x KVzip's). Unlike ``bench_am_steps.py`` this is exactly what ``kvpack build`` runs per document (the
-prefill with the method's recorder, scoring, selection, fit, the pack assembled), less the file write.
+prefill with the method's recorder, scoring, selection, fit, the pack assembled), less the file write. Wall and
+CPU seconds of the process are both reported (with ``--threads 1`` CPU seconds leave out time the core was taken
+away on a shared machine).
 
     OMP_NUM_THREADS=1 python tools/bench_am_build.py --model smollm2-135m --threads 1 --repeats 2 \\
         --variants 'am' 'am[reference=self-study+repeat;selection=rms;ridge_search=true]'
