@@ -32,20 +32,27 @@ from kvpack.bench.specs import parse_method_spec  # noqa: E402
 from kvpack.cache import KvpackCache  # noqa: E402
 
 
-def code_positions(tokenizer, token_ids: list[int], code: str) -> list[int]:
-    """Positions in ``token_ids`` of the tokens that spell ``code`` after ``" is "`` (the fact sentence's
-    ``... is <code>.``): the shortest run of tokens whose decoded text contains the code, found from its last
-    occurrence. Raises ``ValueError`` when the code is not in the decoded sequence."""
+def decoded_pieces(tokenizer, token_ids: list[int]) -> tuple[str, list[int], list[int]]:
+    """``(text, starts, lengths)``: the sequence decoded token by token, and each token's character offset and
+    length in that text (for ``code_positions``)."""
     pieces = [tokenizer.decode([t]) for t in token_ids]
-    text, starts = "", []
-    for p in pieces:
-        starts.append(len(text))
-        text += p
+    starts, at = [], 0
+    for piece in pieces:
+        starts.append(at)
+        at += len(piece)
+    return "".join(pieces), starts, [len(piece) for piece in pieces]
+
+
+def code_positions(decoded: tuple[str, list[int], list[int]], code: str) -> list[int]:
+    """Positions of the tokens that spell ``code`` in a sequence ``decoded`` by ``decoded_pieces`` (the fact
+    sentence's ``... is <code>.``): those overlapping its last occurrence. Raises ``ValueError`` when the code is
+    not in the decoded sequence."""
+    text, starts, lengths = decoded
     at = text.rfind(code)
     if at < 0:
         raise ValueError(f"code {code} not in the context")
     end = at + len(code)
-    return [i for i, s in enumerate(starts) if s < end and s + len(pieces[i]) > at]
+    return [i for i, (s, n) in enumerate(zip(starts, lengths)) if s < end and s + n > at]
 
 
 def main() -> None:
@@ -68,20 +75,18 @@ def main() -> None:
             for spec in args.methods.split(","):
                 name, params = parse_method_spec(spec)
                 for ratio in (float(r) for r in args.ratios.split(",")):
-                    pack = kvpack.compress(model, tok, ctx.text, method=name, ratio=ratio, kv_dtype="float32", **params)
-                    ids = pack.token_ids.tolist()
-                    kept = []  # per (layer, head): set of kept positions
-                    for layer in pack.layers:
-                        start = 0
-                        for n in layer.head_lengths.tolist():
-                            kept.append(set(layer.positions[start : start + n].tolist()))
-                            start += n
+                    pack = kvpack.compress(model, tok, ctx.text, method=name, ratio=ratio, kv_dtype="float32",
+                                           **params)
+                    decoded = decoded_pieces(tok, pack.token_ids.tolist())  # the same for every fact
+                    # per (layer, KV head): the set of positions it kept
+                    kept = [set(part.tolist()) for layer in pack.layers
+                            for part in layer.positions.split(layer.head_lengths.tolist())]
                     cache = KvpackCache.from_pack(pack)
-                    coverage = [len(k) / len(ids) for k in kept]
+                    coverage = [len(k) / pack.original_tokens for k in kept]
                     for fact, question in zip(ctx.facts, ctx.questions):
                         found = tasks.answer_matches(kvpack.generate(model, tok, cache, question, max_new_tokens=32),
                                                      fact)
-                        where = code_positions(tok, ids, fact.code)
+                        where = code_positions(decoded, fact.code)
                         rows.append({"seed": seed, "context": ctx.key, "method": spec, "ratio": ratio,
                                      "found": bool(found), "code_positions": where, "coverage": coverage,
                                      "code_kept": [all(p in k for p in where) for k in kept]})
