@@ -13,6 +13,7 @@ import kvpack
 from kvpack.errors import InputError, ModelMismatchError
 from kvpack.layout import chat_layout
 from kvpack.methods import get_method
+from kvpack.methods.am import max_pool_context
 from kvpack.methods.am_fit import context_attention, nnls_box, BETA_RANGE
 from kvpack.methods.am_omp import omp_select
 from kvpack.methods.base import select_global
@@ -323,6 +324,54 @@ def test_am_kvzip_plus_rms_keeps_kvzips_top_half_and_fills_by_rms():
                 assert float(rms[layer, h, chosen].min()) >= float(rms[layer, h, others].max())
             differs |= not torch.equal(keep[layer, h], kvzip_only[layer, h])
     assert differs  # the RMS half changed some head's entries
+
+
+def test_max_pool_context_takes_each_entrys_largest_neighbour_within_its_head():
+    s = torch.tensor([[[0.0, 5.0, 0.0, 0.0, 0.0, 1.0, 0.0], [2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 3.0]]])
+    assert torch.equal(max_pool_context(s, 1), s)
+    assert max_pool_context(s, 3).tolist() == [[[5.0, 5.0, 5.0, 0.0, 1.0, 1.0, 1.0],
+                                                  [2.0, 2.0, 0.0, 0.0, 0.0, 3.0, 3.0]]]
+    # width 5: two neighbours each side, never across heads or layers
+    assert max_pool_context(s, 5)[0, 0].tolist() == [5.0, 5.0, 5.0, 5.0, 1.0, 1.0, 1.0]
+    assert max_pool_context(s, 5)[0, 1].tolist() == [2.0, 2.0, 2.0, 0.0, 3.0, 3.0, 3.0]
+    inf = torch.tensor([[[float("-inf"), float("-inf"), 1.0, float("-inf"), float("-inf")]]])
+    assert max_pool_context(inf, 3).tolist() == [[[float("-inf"), 1.0, 1.0, 1.0, float("-inf")]]]
+
+
+@pytest.mark.parametrize("selection", ["rms", "kvzip+rms"])
+def test_am_select_pool_keeps_the_top_entries_of_the_pooled_scores(selection):
+    """``select_pool=5``: each head keeps its split's count, the top of its max-pooled selection scores (RMS, or for
+    ``kvzip+rms`` KVzip's pooled half then RMS's), which differs from the unpooled choice."""
+    scorer = _scorer(selection=selection, recent=0, select_pool=5)
+    full, scores = scorer._full, scorer._scores
+    pooled_keep = scorer.select(scores, 0.3, full)
+    plain = get_method("am", chunk_size=40, queries=50_000, recent=0, selection=selection)
+    plain.score(*tiny_model("llama"), full)
+    plain_keep = plain.select(scores, 0.3, full)
+    assert torch.equal(pooled_keep.sum(dim=2), plain_keep.sum(dim=2))
+    assert not torch.equal(pooled_keep, plain_keep)
+    rms = max_pool_context(torch.stack([scorer._rms_scores(full, i) for i in range(pooled_keep.shape[0])]), 5)
+    kvzip = max_pool_context(scores.float(), 5)
+    for layer in range(pooled_keep.shape[0]):
+        for h in range(pooled_keep.shape[1]):
+            kept, c = pooled_keep[layer, h], int(pooled_keep[layer, h].sum())
+            rest = torch.ones_like(kept)
+            if selection == "kvzip+rms":
+                top = kvzip[layer, h].argsort(descending=True, stable=True)[: (c + 1) // 2]
+                assert bool(kept[top].all())
+                rest[top] = False
+            chosen, others = (kept & rest).nonzero().squeeze(1), (~kept & rest).nonzero().squeeze(1)
+            if len(chosen) and len(others):
+                assert float(rms[layer, h, chosen].min()) >= float(rms[layer, h, others].max())
+
+
+def test_am_select_pool_must_be_odd_and_is_inert_under_kvzip_selection():
+    with pytest.raises(InputError, match="select_pool"):
+        get_method("am", select_pool=4)
+    with pytest.raises(InputError, match="select_pool"):
+        get_method("am", select_pool=0)
+    assert "select_pool" in PARAMS["am"].inert({"selection": "kvzip", "select_pool": 7})
+    assert "select_pool" not in PARAMS["am"].inert({"selection": "rms", "select_pool": 7})
 
 
 # ---------------------------------------------------------------------------------------------------------------

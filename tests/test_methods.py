@@ -202,7 +202,7 @@ def test_build_flags_are_made_from_the_declared_fields():
         "--queries-per-entry": "queries_per_entry", "--refine-steps": "refine_steps", "--refine-batch": "refine_batch",
         "--head-floor": "head_floor", "--unfitted-selection": "unfitted_selection",
             "--refine-move": "refine_move", "--refine-lr": "refine_lr", "--refine-queries": "refine_queries",
-            "--select-queries": "select_queries", "--query-sample": "query_sample"}
+            "--select-queries": "select_queries", "--query-sample": "query_sample", "--select-pool": "select_pool"}
     assert [u[0] for u in opts["--window"].uses] == ["kvzip-head", "snapkv", "pyramidkv"]
     assert [(u[0], u[2]) for u in opts["--beta"].uses] == [("d2o", 0.7), ("pyramidkv", 20.0)]
     assert opts["--budget"].choices == SCOPES and opts["--budget"].uses[2][3] == ("layer", "head")  # pyramidkv's

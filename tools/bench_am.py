@@ -62,7 +62,7 @@ FIT_SIDE = frozenset({"budgets", "max_head_ratio", "head_floor", "schedule", "re
                       "unfitted_selection", "values",
                       "queries_per_entry", "held_out_check", "shift", "value_bound", "ridge", "ridge_to", "weights",
                       "refine_steps", "refine_batch", "refine_move", "refine_lr",
-                      "refine_queries", "select_queries"})
+                      "refine_queries", "select_queries", "select_pool"})
 #: KVzip parameters read only by its selection: a kvzip variant with any other parameter scores on its own.
 KVZIP_SELECT_SIDE = frozenset({"max_head_ratio"})
 

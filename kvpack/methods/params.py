@@ -63,6 +63,8 @@ SCORE_QUERIES = ("repeat", "reference")
 MAX_QUERIES = 50_000
 #: Most ``--refine-steps`` (Attention Matching's gradient refinement).
 MAX_REFINE_STEPS = 10_000
+#: Widest ``select_pool`` window (tokens).
+MAX_SELECT_POOL = 255
 #: What the refinement moves (``refine_move``; ``kvpack.methods.am_refine``): the kept keys alone (the biases and
 #: values stay the closed form's), or the keys, biases and values together.
 REFINE_MOVES = ("keys", "keys+beta+values")
@@ -264,7 +266,9 @@ class AttentionMatchingParams(KVzipParams):
                                                # past-the-window queries refined on before the 35th session
                                                "refine_queries": "all",
                                                # the fit's queries alone before issue 28's 36th session
-                                               "select_queries": "fit", "query_sample": "uniform"}
+                                               "select_queries": "fit", "query_sample": "uniform",
+                                               # no pooling before issue 28's fortieth session
+                                               "select_pool": 1}
     max_head_ratio: float = option(0.75, "most of a KV head's own context entries it may keep with --budgets "
                                          "global-capped or schedule (the paper's --max-ratio-per-head)",
                                    low=0.0, high=1.0)
@@ -296,6 +300,11 @@ class AttentionMatchingParams(KVzipParams):
                                         "(the repeat pass records a GQA group's heads x the context's tokens), and "
                                         "all then attends the extra rows too",
                                  choices=SELECT_QUERIES)
+    select_pool: int = option(1, "width in tokens (odd) of a max-pool over each head's selection scores along the "
+                                 "context before --select rms or kvzip+rms picks its top entries, so a kept "
+                                 "entry's neighbours rank with it and short spans (a number, a name) are kept "
+                                 "whole (1: none; SnapKV's pooling, arXiv 2404.14469 §4.3, with max as its "
+                                 "code's option; kvpack's for AM)", low=1, high=MAX_SELECT_POOL)
     unfitted_selection: str = option("same", "which entries a KV head keeps when it is left unfitted (it keeps "
                                              "more entries than its fit queries divided by --queries-per-entry): "
                                              "those --select chose (same), or KVzip's top-scored ones (kvzip), since "
@@ -392,6 +401,7 @@ class AttentionMatchingParams(KVzipParams):
             out["head_floor"] = "it applies only to --budgets global and global-capped"
         if params.get("selection") not in ("rms", "kvzip+rms"):
             out["select_queries"] = "it applies only to --select rms and kvzip+rms"
+            out["select_pool"] = "it applies only to --select rms and kvzip+rms"
         if params.get("selection") == "kvzip" or params.get("values") != "fit" or params.get("on_policy") is True:
             out["unfitted_selection"] = ("it applies only where --select is not kvzip and --values fit leaves some "
                                          "heads unfitted, off-policy")
@@ -447,6 +457,10 @@ class AttentionMatchingParams(KVzipParams):
         check_choice(self.name, "selection", self.selection, SELECTIONS)
         check_choice(self.name, "unfitted_selection", self.unfitted_selection, UNFITTED_SELECTIONS)
         check_choice(self.name, "select_queries", self.select_queries, SELECT_QUERIES)
+        check_int(self.name, "select_pool", self.select_pool, 1)
+        if self.select_pool % 2 == 0 or self.select_pool > MAX_SELECT_POOL:
+            raise InputError(f"am: select_pool (--select-pool) must be odd (the pooling keeps the length) and at "
+                             f"most {MAX_SELECT_POOL}, got {self.select_pool!r}")
         check_choice(self.name, "query_sample", self.query_sample, QUERY_SAMPLES)
         check_choice(self.name, "weights", self.weights, FIT_WEIGHTS)
         check_bool(self.name, "ridge_search", self.ridge_search)
