@@ -366,10 +366,12 @@ def test_am_select_pool_keeps_the_top_entries_of_the_pooled_scores(selection):
 
 
 def test_am_select_pool_must_be_odd_and_is_inert_under_kvzip_selection():
-    with pytest.raises(InputError, match="select_pool"):
+    with pytest.raises(InputError, match=r"odd number of tokens.*e\.g\. 3 or 5\), got 4"):
         get_method("am", select_pool=4)
     with pytest.raises(InputError, match="select_pool"):
         get_method("am", select_pool=0)
+    with pytest.raises(InputError, match="at most 255"):
+        get_method("am", select_pool=257)
     assert "select_pool" in PARAMS["am"].inert({"selection": "kvzip", "select_pool": 7})
     assert "select_pool" not in PARAMS["am"].inert({"selection": "rms", "select_pool": 7})
 

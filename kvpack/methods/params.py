@@ -458,9 +458,13 @@ class AttentionMatchingParams(KVzipParams):
         check_choice(self.name, "unfitted_selection", self.unfitted_selection, UNFITTED_SELECTIONS)
         check_choice(self.name, "select_queries", self.select_queries, SELECT_QUERIES)
         check_int(self.name, "select_pool", self.select_pool, 1)
-        if self.select_pool % 2 == 0 or self.select_pool > MAX_SELECT_POOL:
-            raise InputError(f"am: select_pool (--select-pool) must be odd (the pooling keeps the length) and at "
-                             f"most {MAX_SELECT_POOL}, got {self.select_pool!r}")
+        if self.select_pool % 2 == 0:
+            raise InputError(f"am: select_pool (--select-pool) must be an odd number of tokens, so that the window "
+                             f"is centred on each entry (1: no pooling; e.g. {self.select_pool - 1} or "
+                             f"{self.select_pool + 1}), got {self.select_pool!r}")
+        if self.select_pool > MAX_SELECT_POOL:
+            raise InputError(f"am: select_pool (--select-pool) must be at most {MAX_SELECT_POOL}, got "
+                             f"{self.select_pool!r}")
         check_choice(self.name, "query_sample", self.query_sample, QUERY_SAMPLES)
         check_choice(self.name, "weights", self.weights, FIT_WEIGHTS)
         check_bool(self.name, "ridge_search", self.ridge_search)
