@@ -983,7 +983,7 @@ def max_pool_context(scores: torch.Tensor, width: int) -> torch.Tensor:
     ``width // 2`` positions of it in the same head (a max-pool of stride 1 that keeps the length; ``width`` odd,
     1: ``scores`` as given). Keeping the top entries of the pooled scores keeps the neighbours of a high-scoring
     entry with it, so a span such as a number's digits is kept whole or not at all (SnapKV's pooling, arXiv
-    2404.14469 §4.3, whose code offers max beside average). ``-inf`` scores stay ``-inf`` only where every
+    2404.14469 §4, Listing 1, whose code offers max beside average). ``-inf`` scores stay ``-inf`` only where every
     neighbour's is."""
     if width <= 1:
         return scores

@@ -303,7 +303,7 @@ class AttentionMatchingParams(KVzipParams):
     select_pool: int = option(1, "width in tokens (odd) of a max-pool over each head's selection scores along the "
                                  "context before --select rms or kvzip+rms picks its top entries, so a kept "
                                  "entry's neighbours rank with it and short spans (a number, a name) are kept "
-                                 "whole (1: none; SnapKV's pooling, arXiv 2404.14469 §4.3, with max as its "
+                                 "whole (1: none; SnapKV's pooling, arXiv 2404.14469 §4, Listing 1, with max as its "
                                  "code's option; kvpack's for AM)", low=1, high=MAX_SELECT_POOL)
     unfitted_selection: str = option("same", "which entries a KV head keeps when it is left unfitted (it keeps "
                                              "more entries than its fit queries divided by --queries-per-entry): "
