@@ -13,12 +13,11 @@ import kvpack
 from kvpack.errors import InputError, ModelMismatchError
 from kvpack.layout import chat_layout
 from kvpack.methods import get_method
-from kvpack.methods.am import max_pool_context
 from kvpack.methods.am_fit import context_attention, nnls_box, BETA_RANGE
 from kvpack.methods.am_omp import omp_select
 from kvpack.methods.base import select_global
-from kvpack.methods.budgets import (cap_entries, capped_top_k, floor_entries, protect_recent, scheduled_split,
-                                    uniform_split)
+from kvpack.methods.budgets import (cap_entries, capped_top_k, floor_entries, pool_context, protect_recent,
+                                    scheduled_split, uniform_split)
 from kvpack.methods.params import PARAMS
 from kvpack.model import model_spec
 from kvpack.prefill import prefill
@@ -326,16 +325,16 @@ def test_am_kvzip_plus_rms_keeps_kvzips_top_half_and_fills_by_rms():
     assert differs  # the RMS half changed some head's entries
 
 
-def test_max_pool_context_takes_each_entrys_largest_neighbour_within_its_head():
+def test_pool_context_takes_each_entrys_largest_neighbour_within_its_head():
     s = torch.tensor([[[0.0, 5.0, 0.0, 0.0, 0.0, 1.0, 0.0], [2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 3.0]]])
-    assert torch.equal(max_pool_context(s, 1), s)
-    assert max_pool_context(s, 3).tolist() == [[[5.0, 5.0, 5.0, 0.0, 1.0, 1.0, 1.0],
+    assert torch.equal(pool_context(s, 1), s)
+    assert pool_context(s, 3).tolist() == [[[5.0, 5.0, 5.0, 0.0, 1.0, 1.0, 1.0],
                                                   [2.0, 2.0, 0.0, 0.0, 0.0, 3.0, 3.0]]]
     # width 5: two neighbours each side, never across heads or layers
-    assert max_pool_context(s, 5)[0, 0].tolist() == [5.0, 5.0, 5.0, 5.0, 1.0, 1.0, 1.0]
-    assert max_pool_context(s, 5)[0, 1].tolist() == [2.0, 2.0, 2.0, 0.0, 3.0, 3.0, 3.0]
+    assert pool_context(s, 5)[0, 0].tolist() == [5.0, 5.0, 5.0, 5.0, 1.0, 1.0, 1.0]
+    assert pool_context(s, 5)[0, 1].tolist() == [2.0, 2.0, 2.0, 0.0, 3.0, 3.0, 3.0]
     inf = torch.tensor([[[float("-inf"), float("-inf"), 1.0, float("-inf"), float("-inf")]]])
-    assert max_pool_context(inf, 3).tolist() == [[[float("-inf"), 1.0, 1.0, 1.0, float("-inf")]]]
+    assert pool_context(inf, 3).tolist() == [[[float("-inf"), 1.0, 1.0, 1.0, float("-inf")]]]
 
 
 @pytest.mark.parametrize("selection", ["rms", "kvzip+rms"])
@@ -350,8 +349,8 @@ def test_am_select_pool_keeps_the_top_entries_of_the_pooled_scores(selection):
     plain_keep = plain.select(scores, 0.3, full)
     assert torch.equal(pooled_keep.sum(dim=2), plain_keep.sum(dim=2))
     assert not torch.equal(pooled_keep, plain_keep)
-    rms = max_pool_context(torch.stack([scorer._rms_scores(full, i) for i in range(pooled_keep.shape[0])]), 5)
-    kvzip = max_pool_context(scores.float(), 5)
+    rms = pool_context(torch.stack([scorer._rms_scores(full, i) for i in range(pooled_keep.shape[0])]), 5)
+    kvzip = pool_context(scores.float(), 5)
     for layer in range(pooled_keep.shape[0]):
         for h in range(pooled_keep.shape[1]):
             kept, c = pooled_keep[layer, h], int(pooled_keep[layer, h].sum())

@@ -17,7 +17,7 @@ from ..stats import ContextAttention
 from .am_fit import attention_output, context_attention, fit_head, max_attention, relative_error, rms_attention
 from .am_validate import TAIL_TOKENS, causal_output, choose_fit
 from .base import top_k_rows
-from .budgets import protect_recent, split
+from .budgets import pool_context, protect_recent, split
 from .d2o import D2O, merge_plan, merge_rows
 from .kvzip import KVzip
 from .params import AttentionMatchingParams
@@ -366,7 +366,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             every recorded query but the held-out ones (``QueryReservoir.left_out``: more attention where the
             sources recorded more than ``queries``; the same where they did not).
         select_pool: odd width in tokens, 1 .. 255 (default 1: none), of the max-pool over each head's selection
-            scores before ``"rms"`` and ``"kvzip+rms"`` take their top entries (``max_pool_context``).
+            scores before ``"rms"`` and ``"kvzip+rms"`` take their top entries (``budgets.pool_context``).
         unfitted_selection: ``"same"`` (default) or ``"kvzip"``: what a head the fit leaves as it is keeps, the
             entries ``selection`` chose or KVzip's (``reselect_within_heads``; inert under ``selection="kvzip"``,
             ``values`` other than ``"fit"`` and ``on_policy``).
@@ -624,7 +624,7 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
         (``[compressed layers, kv_heads, context]``, needed for ``"kvzip+rms"``) and half by RMS attention
         (``"kvzip+rms"``, kvpack's: RMS alone loses planted facts that KVzip's maximum keeps, BENCHMARKS.md), the
         last ``recent`` tokens first either way. With ``select_pool`` > 1 both scores are max-pooled along the
-        context first (``max_pool_context``). Needs ``score()`` first (the recorded queries): ``RuntimeError``
+        context first (``budgets.pool_context``). Needs ``score()`` first (the recorded queries): ``RuntimeError``
         otherwise, or without ``scores`` for ``"kvzip+rms"``."""
         layers, heads, n = keep.shape
         counts = keep.sum(dim=2)
@@ -632,14 +632,14 @@ class AttentionMatching(AttentionMatchingParams, KVzip):
             return torch.stack([self._omp_keep(prefill, i, counts[i]) for i in range(layers)])
         self._context_cache.clear()
         rms = torch.stack([self._rms_scores(prefill, i, counts[i]) for i in range(layers)])
-        rms = protect_recent(max_pool_context(rms, self.select_pool), self.recent)
+        rms = protect_recent(pool_context(rms, self.select_pool), self.recent)
         flat, counts = rms.reshape(layers * heads, n), counts.reshape(-1)
         if self.selection == "rms":
             return top_k_rows(flat, counts).view(keep.shape)
         if scores is None:
             raise RuntimeError("am: selection='kvzip+rms' needs KVzip's scores")
         half = (counts + 1) // 2  # KVzip's half first (the recent floor comes first in it), then RMS's
-        kvzip = max_pool_context(scores.detach().float().cpu(), self.select_pool)
+        kvzip = pool_context(scores.detach().float().cpu(), self.select_pool)
         first = top_k_rows(protect_recent(kvzip, self.recent).reshape(layers * heads, n), half)
         second = top_k_rows(flat.masked_fill(first, float("-inf")), counts - half)
         return (first | second).view(keep.shape)
@@ -976,18 +976,3 @@ def _held_out_errors(keys, values, queries, sink, kept, beta, new_values, scalin
 
 def _mean(xs: list[float]) -> float | None:
     return float(sum(xs) / len(xs)) if xs else None
-
-
-def max_pool_context(scores: torch.Tensor, width: int) -> torch.Tensor:
-    """``scores`` (``[layers, kv_heads, context]`` float) with each entry replaced by the largest score within
-    ``width // 2`` positions of it in the same head (a max-pool of stride 1 that keeps the length; ``width`` odd,
-    1: ``scores`` as given). Keeping the top entries of the pooled scores keeps the neighbours of a high-scoring
-    entry with it, so a span such as a number's digits is kept whole or not at all (SnapKV's pooling, arXiv
-    2404.14469 §4, Listing 1, whose code offers max beside average). ``-inf`` scores stay ``-inf`` only where every
-    neighbour's is."""
-    if width <= 1:
-        return scores
-    layers, heads, n = scores.shape
-    pooled = torch.nn.functional.max_pool1d(scores.reshape(layers * heads, 1, n), width, stride=1,
-                                            padding=width // 2)
-    return pooled.view(layers, heads, n)

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 __all__ = ["split_evenly", "fit_budgets", "top_k_rows", "cap_entries", "floor_entries", "capped_top_k",
-           "uniform_split", "scheduled_split", "split", "protect_recent"]
+           "uniform_split", "scheduled_split", "split", "protect_recent", "pool_context"]
 
 
 def split_evenly(total: int, parts: int) -> torch.Tensor:
@@ -185,6 +185,23 @@ def split(scores: torch.Tensor, total: int, budgets: str, cap: float = 1.0,
             raise ValueError("split: budgets='schedule' needs the schedule's fractions")
         return scheduled_split(scores, total, fractions, cap)
     raise ValueError(f"split: unknown budgets {budgets!r}")
+
+
+def pool_context(scores: torch.Tensor, width: int, kind: str = "max") -> torch.Tensor:
+    """``scores`` (``[layers, kv_heads, n]`` float) pooled along the context within each head: each entry replaced
+    by the largest (``kind="max"``) or the mean (``"avg"``, zero padding counted, as torch's ``avg_pool1d``) of the
+    scores within ``width // 2`` positions of it, stride 1, the length kept (``width`` odd; 1: ``scores`` as given).
+    Keeping the top entries of max-pooled scores keeps a high-scoring entry's neighbours with it, so a short span is
+    kept whole or not at all (SnapKV's pooling, arXiv 2404.14469 §4, Listing 1; its code offers max beside avg).
+    With ``"max"``, ``-inf`` stays ``-inf`` only where every neighbour's is. Raises ``ValueError`` for another
+    ``kind``."""
+    if width <= 1:
+        return scores
+    if kind not in ("max", "avg"):
+        raise ValueError(f"pool_context: kind must be 'max' or 'avg', got {kind!r}")
+    layers, heads, n = scores.shape
+    pool = torch.nn.functional.max_pool1d if kind == "max" else torch.nn.functional.avg_pool1d
+    return pool(scores.reshape(layers * heads, 1, n), width, stride=1, padding=width // 2).view(layers, heads, n)
 
 
 def protect_recent(scores: torch.Tensor, recent: int) -> torch.Tensor:

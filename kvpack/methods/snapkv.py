@@ -6,12 +6,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from ..model import ModelSpec
 from ..prefill import Prefill
 from ..stats import AttentionRecorder
 from .base import Method, context_stats
+from .budgets import pool_context
 from .params import SnapKVParams
 
 __all__ = ["SnapKV"]
@@ -51,8 +51,5 @@ class SnapKV(SnapKVParams, Method):
         w = 0 if self.question is not None else min(self.window, n)
         scores = torch.full_like(sums, float("inf"))
         if n > w:
-            body = sums[..., : n - w].reshape(layers * heads, 1, n - w)
-            pool = F.avg_pool1d if self.pooling == "avg" else F.max_pool1d
-            pooled = pool(body, self.kernel, stride=1, padding=self.kernel // 2)
-            scores[..., : n - w] = pooled.view(layers, heads, n - w)
+            scores[..., : n - w] = pool_context(sums[..., : n - w], self.kernel, self.pooling)
         return scores
